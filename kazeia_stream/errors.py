@@ -1,0 +1,13 @@
+"""Errors a user can act on: each carries a one-line message naming what is wrong."""
+
+
+class KazeiaError(Exception):
+    """Base class: the CLI prints these as one line and exits non-zero."""
+
+
+class ModelFileError(KazeiaError):
+    """A model file is missing, truncated, or not the expected GGUF."""
+
+
+class UsageError(KazeiaError):
+    """Bad input from the caller: empty text, unknown voice or language, and the like."""

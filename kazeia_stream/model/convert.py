@@ -1,0 +1,632 @@
+"""Convert an official Qwen3-TTS checkpoint (Hugging Face layout) into the GGUF pair llama.cpp reads.
+
+numpy and gguf only, no torch. The output matches llama.cpp's own converter
+(`conversion/qwen3tts.py`): same tensors, names, shapes, metadata and forced tensor types, so
+libllama loads the talker and mtmd the mmproj. Differences, on purpose:
+
+- the pre-tokenizer is written as `qwen2` directly (llama.cpp's converter refuses vocabularies
+  whose hash it does not know);
+- the codec decoder (`a.gen.wav.*`) stays F32 whatever the type;
+- a checkpoint without speaker encoder (CustomVoice, VoiceDesign) gets an mmproj without one
+  (llama.cpp's converter assumes a Base model);
+- extra `kazeia.*` keys (see gguf_layout).
+
+Tensors are produced and written one at a time, the text-embedding fold in row blocks, so the
+peak memory is about the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import TokenType
+
+from ..errors import ModelFileError, UsageError
+from . import gguf_layout as L
+
+TYPES: dict[str, str] = {
+    "f32": "everything F32 (the BF16 weights exactly)",
+    "f16": "talker and code-predictor matrices (incl. embeddings and heads) and speaker-encoder "
+           "kernels F16; norms, biases, the code predictor's ffn_down and the codec decoder F32",
+    "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; speaker-encoder "
+            "kernels F16 (kernel rows are too short for Q8_0 blocks); norms, biases, the code "
+            "predictor's ffn_down and the codec decoder F32",
+}
+_FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+
+_FOLD_ROWS = 4096  # text-embedding rows folded per block
+# Fixed by the architectures (llama.cpp's converter and clip.cpp hard-code them too).
+_SPK_BLOCKS = 3  # ECAPA-TDNN SE-Res2Net blocks, `blocks.1..3`
+_SPK_RES2_CONVS = 7  # res2net scale 8
+_DAC_RES_UNITS = 3  # residual units per codec decoder block (dilations 1, 3, 9)
+_SPK_NUM_MEL_BINS = 128
+_SPK_CHANNELS = 1536  # written as the clip "embedding" and "feed forward" sizes
+_SPK_EPS = 1e-5
+
+# Layer tensors: checkpoint suffix -> GGUF name.
+_TALKER_LAYER = {
+    "input_layernorm.weight": L.TALKER_ATTN_NORM,
+    "self_attn.q_proj.weight": L.TALKER_ATTN_Q,
+    "self_attn.k_proj.weight": L.TALKER_ATTN_K,
+    "self_attn.v_proj.weight": L.TALKER_ATTN_V,
+    "self_attn.o_proj.weight": L.TALKER_ATTN_OUT,
+    "self_attn.q_norm.weight": L.TALKER_ATTN_Q_NORM,
+    "self_attn.k_norm.weight": L.TALKER_ATTN_K_NORM,
+    "post_attention_layernorm.weight": L.TALKER_FFN_NORM,
+    "mlp.gate_proj.weight": L.TALKER_FFN_GATE,
+    "mlp.up_proj.weight": L.TALKER_FFN_UP,
+    "mlp.down_proj.weight": L.TALKER_FFN_DOWN,
+}
+_CP_LAYER = {
+    "input_layernorm.weight": L.CP_ATTN_NORM,
+    "self_attn.q_proj.weight": L.CP_ATTN_Q,
+    "self_attn.k_proj.weight": L.CP_ATTN_K,
+    "self_attn.v_proj.weight": L.CP_ATTN_V,
+    "self_attn.o_proj.weight": L.CP_ATTN_OUT,
+    "self_attn.q_norm.weight": L.CP_ATTN_Q_NORM,
+    "self_attn.k_norm.weight": L.CP_ATTN_K_NORM,
+    "post_attention_layernorm.weight": L.CP_FFN_NORM,
+    "mlp.gate_proj.weight": L.CP_FFN_GATE,
+    "mlp.up_proj.weight": L.CP_FFN_UP,
+    "mlp.down_proj.weight": L.CP_FFN_DOWN,
+}
+_WAV_TFM_LAYER = {
+    "input_layernorm.weight": L.WAV_TFM_ATTN_NORM,
+    "self_attn.q_proj.weight": L.WAV_TFM_ATTN_Q,
+    "self_attn.k_proj.weight": L.WAV_TFM_ATTN_K,
+    "self_attn.v_proj.weight": L.WAV_TFM_ATTN_V,
+    "self_attn.o_proj.weight": L.WAV_TFM_ATTN_OUT,
+    "self_attn_layer_scale.scale": L.WAV_TFM_ATTN_SCALE,
+    "post_attention_layernorm.weight": L.WAV_TFM_FFN_NORM,
+    "mlp.gate_proj.weight": L.WAV_TFM_FFN_GATE,
+    "mlp.up_proj.weight": L.WAV_TFM_FFN_UP,
+    "mlp.down_proj.weight": L.WAV_TFM_FFN_DOWN,
+    "mlp_layer_scale.scale": L.WAV_TFM_FFN_SCALE,
+}
+_GENERATION_SOURCE = {"subtalker_do_sample": "subtalker_dosample"}  # our key -> generation_config.json
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> tuple[Path, Path]:
+    """Write `<name>-<type>.gguf` (talker) and `mmproj-<name>-<type>.gguf` into out_dir.
+
+    `<name>` is the checkpoint directory's name. Raises ModelFileError naming the file when an
+    input is missing or invalid, UsageError for an unknown out_type.
+    """
+    if out_type not in TYPES:
+        raise UsageError(f"unknown type {out_type!r}; choose one of {', '.join(TYPES)}")
+    ckpt = _Checkpoint(Path(hf_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = ckpt.dir.resolve().name
+    talker_path = out / f"{name}-{out_type}.gguf"
+    mmproj_path = out / f"mmproj-{name}-{out_type}.gguf"
+    _write_talker(ckpt, talker_path, out_type)
+    _write_mmproj(ckpt, mmproj_path, out_type)
+    return talker_path, mmproj_path
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the checkpoint
+# ------------------------------------------------------------------------------------------------
+
+class _Json:
+    """A JSON object from a file; a missing key is a ModelFileError naming the file and key."""
+
+    def __init__(self, path: Path, data: dict[str, Any] | None = None, where: str = "") -> None:
+        self.path, self.where = path, where
+        if data is None:
+            data = _read_json(path)
+        if not isinstance(data, dict):
+            raise ModelFileError(f"{path}: {where or 'top level'} is not a JSON object")
+        self.data = data
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.data or self.data[key] is None:
+            raise ModelFileError(f"{self.path}: missing key {self.where}{key}")
+        return self.data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def section(self, key: str) -> _Json:
+        return _Json(self.path, self[key], f"{self.where}{key}.")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: file not found") from None
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
+
+
+class _SafeTensors:
+    """One .safetensors file, read as float32 by tensor, whole or by rows of the first axis.
+
+    safetensors' numpy API cannot read BF16, so the header is parsed here and BF16 is widened
+    by shifting the raw 16 bits into the top of a float32."""
+
+    _DTYPES = {"BF16": np.dtype(np.uint16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= size - 8:
+                    raise ValueError("bad header length")
+                header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except FileNotFoundError:
+            raise ModelFileError(f"{path}: file not found") from None
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"{path}: not a safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        for name, entry in header.items():
+            dtype = self._DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise ModelFileError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
+                raise ModelFileError(f"{path}: tensor {name} lies outside the file (truncated?)")
+            self._entries[name] = (dtype, shape, 8 + n + begin)
+
+    def has(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of the first axis (all by default), as float32."""
+        dtype, shape, offset = self._entry(name)
+        stop = shape[0] if stop is None else stop
+        row = math.prod(shape[1:])
+        with open(self.path, "rb") as f:
+            f.seek(offset + start * row * dtype.itemsize)
+            raw = np.fromfile(f, dtype=dtype, count=(stop - start) * row)
+        raw = raw.reshape(stop - start, *shape[1:])
+        if dtype == np.uint16:
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.astype(np.float32, copy=False)
+
+    def _entry(self, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
+        if name not in self._entries:
+            raise ModelFileError(f"{self.path}: missing tensor {name}")
+        return self._entries[name]
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        if self.shape(name) != shape:
+            raise ModelFileError(f"{self.path}: tensor {name} has shape {list(self.shape(name))}, "
+                                 f"expected {list(shape)} from the config")
+
+
+class _Checkpoint:
+    """The files of an official checkpoint directory, opened lazily where they are large."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        if not hf_dir.is_dir():
+            raise ModelFileError(f"{hf_dir}: not a checkpoint directory")
+        self.dir = hf_dir
+        self.config = _Json(hf_dir / "config.json")
+        self.talker = self.config.section("talker_config")
+        self.code_predictor = self.talker.section("code_predictor_config")
+        self.generation = _Json(hf_dir / "generation_config.json")
+        self.codec_config = _Json(hf_dir / "speech_tokenizer" / "config.json")
+        self.decoder = self.codec_config.section("decoder_config")
+        self.kind = self.config["tts_model_type"]
+        if self.kind not in ("custom_voice", "base", "voice_design"):
+            raise ModelFileError(f"{self.config.path}: unknown tts_model_type {self.kind!r}")
+        self.weights = _SafeTensors(hf_dir / "model.safetensors")
+        self.codec = _SafeTensors(hf_dir / "speech_tokenizer" / "model.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensors
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Tensor:
+    """A tensor to write: `chunks()` yields float32 arrays whose row-major data, concatenated,
+    is the tensor's; each has the tensor's last axis (so each can be quantized alone)."""
+
+    name: str
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterable[np.ndarray]]
+    keep_f32: bool = False
+
+
+def _copy(st: _SafeTensors, src: str, dst: str, keep_f32: bool = False) -> _Tensor:
+    return _Tensor(dst, st.shape(src), lambda: [st.read(src)], keep_f32)
+
+
+def _pair(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
+    """A `.weight` / `.bias` pair."""
+    return [_copy(st, f"{src}.{s}", f"{dst}.{s}") for s in ("weight", "bias")]
+
+
+def _squeezed(st: _SafeTensors, src: str, dst: str) -> _Tensor:
+    """A k=1 convolution kernel [out, in, 1] stored as a matrix [out, in]."""
+    return _Tensor(dst, st.shape(src)[:-1], lambda: [st.read(src)[..., 0]])
+
+
+def _stacked(st: _SafeTensors, srcs: list[str], dst: str) -> _Tensor:
+    shape = st.shape(srcs[0])
+    for src in srcs:
+        st.expect(src, shape)
+    return _Tensor(dst, (len(srcs), *shape), lambda: (st.read(src) for src in srcs))
+
+
+def _snake(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
+    """SnakeBeta with its exp()/reciprocal folded in: alpha = exp(a), beta = 1 / (exp(b) + 1e-9)."""
+    a, b = f"{src}.alpha", f"{src}.beta"
+    return [_Tensor(f"{dst}.alpha", st.shape(a), lambda: [np.exp(st.read(a))]),
+            _Tensor(f"{dst}.beta", st.shape(b), lambda: [1.0 / (np.exp(st.read(b)) + 1e-9)])]
+
+
+def _codebooks(st: _SafeTensors, src: str, n: int, dst: str) -> _Tensor:
+    """The EMA codebooks of an RVQ: embedding_sum / clamp(cluster_usage, 1e-5); 2D when n == 1."""
+    prefixes = [f"{src}.vq.layers.{i}._codebook" for i in range(n)]
+    shape = st.shape(prefixes[0] + ".embedding_sum")
+
+    def chunks() -> Iterable[np.ndarray]:
+        for p in prefixes:
+            st.expect(p + ".embedding_sum", shape)
+            usage = st.read(p + ".cluster_usage")
+            yield st.read(p + ".embedding_sum") / np.maximum(usage, 1e-5)[:, None]
+
+    return _Tensor(dst, shape if n == 1 else (n, *shape), chunks)
+
+
+def _token_embd(ckpt: _Checkpoint) -> _Tensor:
+    """[T(id) for every text id | codec_embedding], T = fc2(silu(fc1(text_embedding) + b1)) + b2,
+    folded in float32 by blocks of rows."""
+    st, t = ckpt.weights, ckpt.talker
+    if t["hidden_act"] != "silu":
+        raise ModelFileError(f"{ckpt.config.path}: unsupported talker_config.hidden_act {t['hidden_act']!r}")
+    n_text, text_hidden, hidden = t["text_vocab_size"], t["text_hidden_size"], t["hidden_size"]
+    emb, codec, proj = "talker.model.text_embedding.weight", "talker.model.codec_embedding.weight", "talker.text_projection."
+    st.expect(emb, (n_text, text_hidden))
+    st.expect(codec, (t["vocab_size"], hidden))
+    st.expect(proj + "linear_fc1.weight", (text_hidden, text_hidden))
+    st.expect(proj + "linear_fc1.bias", (text_hidden,))
+    st.expect(proj + "linear_fc2.weight", (hidden, text_hidden))
+    st.expect(proj + "linear_fc2.bias", (hidden,))
+
+    def chunks() -> Iterable[np.ndarray]:
+        w1, b1 = st.read(proj + "linear_fc1.weight").T, st.read(proj + "linear_fc1.bias")
+        w2, b2 = st.read(proj + "linear_fc2.weight").T, st.read(proj + "linear_fc2.bias")
+        for start in range(0, n_text, _FOLD_ROWS):
+            h = st.read(emb, start, min(start + _FOLD_ROWS, n_text)) @ w1 + b1
+            with np.errstate(over="ignore"):  # exp(-h) = inf for very negative h gives silu = -0
+                h /= 1.0 + np.exp(-h)
+            yield h @ w2 + b2
+        yield st.read(codec)
+
+    return _Tensor(L.TALKER_TOKEN_EMBD, (n_text + t["vocab_size"], hidden), chunks)
+
+
+def _talker_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+    st = ckpt.weights
+    st.expect("talker.codec_head.weight", (ckpt.talker["vocab_size"], ckpt.talker["hidden_size"]))
+    tensors = [_token_embd(ckpt),
+               _copy(st, "talker.model.norm.weight", L.TALKER_OUTPUT_NORM),
+               _copy(st, "talker.codec_head.weight", L.TALKER_OUTPUT)]
+    for bid in range(ckpt.talker["num_hidden_layers"]):
+        tensors += [_copy(st, f"talker.model.layers.{bid}.{src}", dst.format(bid=bid))
+                    for src, dst in _TALKER_LAYER.items()]
+    return tensors
+
+
+def _code_predictor_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+    st, cp = ckpt.weights, "talker.code_predictor."
+    groups = range(ckpt.code_predictor["num_code_groups"] - 1)
+    tensors = [_stacked(st, [f"{cp}model.codec_embedding.{i}.weight" for i in groups], L.CP_EMBD),
+               _stacked(st, [f"{cp}lm_head.{i}.weight" for i in groups], L.CP_HEAD),
+               _copy(st, "talker.model.codec_embedding.weight", L.CP_OUT_EMBD),
+               _copy(st, f"{cp}model.norm.weight", L.CP_OUTPUT_NORM)]
+    if st.has(f"{cp}small_to_mtp_projection.weight"):
+        tensors += _pair(st, f"{cp}small_to_mtp_projection", L.CP_PROJ_IN)
+    for bid in range(ckpt.code_predictor["num_hidden_layers"]):
+        # ffn_down stays F32 as in llama.cpp: its input peaks near 1.5e5, beyond F16, and
+        # ggml's mul_mat casts the input to the weight's type
+        tensors += [_copy(st, f"{cp}model.layers.{bid}.{src}", dst.format(bid=bid), keep_f32=dst == L.CP_FFN_DOWN)
+                    for src, dst in _CP_LAYER.items()]
+    return tensors
+
+
+def _codec_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+    st, dec, q = ckpt.codec, ckpt.decoder, "decoder.quantizer."
+    tensors = [
+        _squeezed(st, q + "rvq_first.input_proj.weight", L.WAV_QUANT_FIRST_IN),
+        _squeezed(st, q + "rvq_first.output_proj.weight", L.WAV_QUANT_FIRST_OUT),
+        _codebooks(st, q + "rvq_first", 1, L.WAV_QUANT_FIRST_CB),
+        _squeezed(st, q + "rvq_rest.input_proj.weight", L.WAV_QUANT_REST_IN),
+        _squeezed(st, q + "rvq_rest.output_proj.weight", L.WAV_QUANT_REST_OUT),
+        _codebooks(st, q + "rvq_rest", dec["num_quantizers"] - 1, L.WAV_QUANT_REST_CB),
+        *_pair(st, "decoder.pre_conv.conv", L.WAV_PRE_CONV),
+        *_pair(st, "decoder.pre_transformer.input_proj", L.WAV_TFM_IN_PROJ),
+        *_pair(st, "decoder.pre_transformer.output_proj", L.WAV_TFM_OUT_PROJ),
+        _copy(st, "decoder.pre_transformer.norm.weight", L.WAV_TFM_OUTPUT_NORM),
+    ]
+    for bid in range(dec["num_hidden_layers"]):
+        tensors += [_copy(st, f"decoder.pre_transformer.layers.{bid}.{src}", dst.format(bid=bid))
+                    for src, dst in _WAV_TFM_LAYER.items()]
+    for bid in range(len(dec["upsampling_ratios"])):
+        up = f"decoder.upsample.{bid}."
+        tensors += [*_pair(st, up + "0.conv", L.WAV_UP_CONV.format(bid=bid)),
+                    *_pair(st, up + "1.dwconv.conv", L.WAV_UP_DWCONV.format(bid=bid)),
+                    *_pair(st, up + "1.norm", L.WAV_UP_NORM.format(bid=bid)),
+                    *_pair(st, up + "1.pwconv1", L.WAV_UP_PW1.format(bid=bid)),
+                    *_pair(st, up + "1.pwconv2", L.WAV_UP_PW2.format(bid=bid)),
+                    _copy(st, up + "1.gamma", L.WAV_UP_GAMMA.format(bid=bid))]
+    tensors += _pair(st, "decoder.decoder.0.conv", L.WAV_DAC_ENTRY)
+    n_blocks = len(dec["upsample_rates"])
+    for bid in range(n_blocks):
+        blk = f"decoder.decoder.{bid + 1}.block."  # decoder.decoder.0 is the entry conv
+        tensors += [*_snake(st, blk + "0", L.WAV_DAC_UP_SNAKE.format(bid=bid)),
+                    *_pair(st, blk + "1.conv", L.WAV_DAC_UP_CONV.format(bid=bid))]
+        for xid in range(_DAC_RES_UNITS):
+            res, ids = f"{blk}{xid + 2}.", {"bid": bid, "xid": xid}
+            tensors += [*_snake(st, res + "act1", L.WAV_DAC_RES_ACT1.format(**ids)),
+                        *_pair(st, res + "conv1.conv", L.WAV_DAC_RES_CONV1.format(**ids)),
+                        *_snake(st, res + "act2", L.WAV_DAC_RES_ACT2.format(**ids)),
+                        *_pair(st, res + "conv2.conv", L.WAV_DAC_RES_CONV2.format(**ids))]
+    tensors += [*_snake(st, f"decoder.decoder.{n_blocks + 1}", L.WAV_DAC_POST_SNAKE),
+                *_pair(st, f"decoder.decoder.{n_blocks + 2}.conv", L.WAV_DAC_POST_CONV)]
+    return tensors
+
+
+def _speaker_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+    st, se = ckpt.weights, "speaker_encoder."
+    tensors = _pair(st, se + "blocks.0.conv", L.SPK_STEM)
+    for bid in range(1, _SPK_BLOCKS + 1):
+        blk = f"{se}blocks.{bid}."
+        tensors += _pair(st, blk + "tdnn1.conv", L.SPK_TDNN1.format(bid=bid))
+        for xid in range(_SPK_RES2_CONVS):
+            tensors += _pair(st, f"{blk}res2net_block.blocks.{xid}.conv", L.SPK_RES2.format(bid=bid, xid=xid))
+        tensors += [*_pair(st, blk + "tdnn2.conv", L.SPK_TDNN2.format(bid=bid)),
+                    *_pair(st, blk + "se_block.conv1", L.SPK_SE_CONV1.format(bid=bid)),
+                    *_pair(st, blk + "se_block.conv2", L.SPK_SE_CONV2.format(bid=bid))]
+    return tensors + [*_pair(st, se + "mfa.conv", L.SPK_MFA),
+                      *_pair(st, se + "asp.tdnn.conv", L.SPK_ASP_TDNN),
+                      *_pair(st, se + "asp.conv", L.SPK_ASP_CONV),
+                      *_pair(st, se + "fc", L.SPK_FC)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary
+# ------------------------------------------------------------------------------------------------
+
+def _text_tokens(ckpt: _Checkpoint) -> tuple[list[str], list[int]]:
+    """The Qwen2 vocabulary as llama.cpp writes it: vocab.json tokens NORMAL, added tokens CONTROL
+    when special or `<|...|>`-shaped, else USER_DEFINED, missing ids `[PADn]` UNUSED."""
+    n = ckpt.talker["text_vocab_size"]
+    tokens: list[str | None] = [None] * n
+    types = [TokenType.UNUSED] * n
+    vocab_path = ckpt.dir / "vocab.json"
+    vocab = _read_json(vocab_path)
+    added = _Json(ckpt.dir / "tokenizer_config.json").get("added_tokens_decoder", {})
+    entries = [(i, tok, TokenType.NORMAL) for tok, i in vocab.items()]
+    for i, entry in added.items():
+        content = entry["content"]
+        special = entry.get("special") or (content.startswith("<|") and content.endswith("|>"))
+        entries.append((int(i), content, TokenType.CONTROL if special else TokenType.USER_DEFINED))
+    for i, tok, typ in entries:
+        if not 0 <= i < n:
+            raise ModelFileError(f"{vocab_path}: token id {i} ({tok!r}) outside the text vocabulary of {n}")
+        tokens[i], types[i] = tok, typ
+    return [f"[PAD{i}]" if tok is None else tok for i, tok in enumerate(tokens)], [int(t) for t in types]
+
+
+def _merges(ckpt: _Checkpoint) -> list[str]:
+    path = ckpt.dir / "merges.txt"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: unreadable ({e})") from None
+    if lines and lines[0].startswith("#"):
+        lines = lines[1:]
+    return [" ".join(parts) for parts in (line.split() for line in lines) if len(parts) == 2]
+
+
+def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
+    """`<|codec_N|>`, renamed from every talker_config `*_id` key exactly as llama.cpp's
+    `_codec_token_names()`: `codec_bos_id` -> `<|codec_bos|>`, `spk_id.ryan` -> `<|spk_ryan|>`."""
+    n = ckpt.talker["vocab_size"]
+    names = [L.CODEC_TOKEN.format(id=i) for i in range(n)]
+    for key, val in ckpt.talker.data.items():
+        if not key.endswith("_id"):
+            continue
+        prefix = key[:-len("_id")]
+        ids = {f"<|{prefix}|>": val} if isinstance(val, int) else (
+            {f"<|{prefix}_{k}|>": v for k, v in val.items()} if isinstance(val, dict) else {})
+        for name, i in ids.items():
+            if not 0 <= i < n:
+                raise ModelFileError(f"{ckpt.config.path}: talker_config.{key} id {i} is outside the codec vocabulary")
+            names[i] = name
+    return names
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+def _write_talker(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
+    t = ckpt.talker
+    tensors = _talker_tensors(ckpt)
+    w = gguf.GGUFWriter(None, L.TALKER_ARCH)
+    _add_general(w, ckpt, "model", out_type, tensors)
+    w.add_uint32(L.KEY_BLOCK_COUNT, t["num_hidden_layers"])
+    w.add_uint32(L.KEY_CONTEXT_LENGTH, t["max_position_embeddings"])
+    w.add_uint32(L.KEY_EMBEDDING_LENGTH, t["hidden_size"])
+    w.add_uint32(L.KEY_FEED_FORWARD_LENGTH, t["intermediate_size"])
+    w.add_uint32(L.KEY_HEAD_COUNT, t["num_attention_heads"])
+    w.add_uint32(L.KEY_HEAD_COUNT_KV, t["num_key_value_heads"])
+    sections = list(t.section("rope_scaling")["mrope_section"])
+    w.add_array(L.KEY_ROPE_SECTIONS, (sections + [0] * 4)[:4])
+    w.add_float32(L.KEY_ROPE_FREQ_BASE, t["rope_theta"])
+    w.add_float32(L.KEY_RMS_EPS, t["rms_norm_eps"])
+    w.add_uint32(L.KEY_KEY_LENGTH, t["head_dim"])
+    w.add_uint32(L.KEY_VALUE_LENGTH, t["head_dim"])
+
+    text_tokens, text_types = _text_tokens(ckpt)
+    codec_tokens = _codec_tokens(ckpt)
+    n_vocab = len(text_tokens) + len(codec_tokens)
+    eos = len(text_tokens) + t["codec_eos_token_id"]
+    w.add_string(L.KEY_TOKENIZER_MODEL, L.TOKENIZER_MODEL)
+    w.add_string(L.KEY_TOKENIZER_PRE, L.TOKENIZER_PRE)
+    w.add_array(L.KEY_TOKENS, text_tokens + codec_tokens)
+    w.add_array(L.KEY_TOKEN_TYPES, text_types + [int(TokenType.CONTROL)] * len(codec_tokens))
+    w.add_array(L.KEY_MERGES, _merges(ckpt))
+    # the talker may only emit codes 0..2047 or the codec EOS
+    w.add_array(L.KEY_SUPPRESS_TOKENS, [i for i in range(n_vocab - 1024, n_vocab) if i != eos])
+    w.add_uint32(L.KEY_EOS_TOKEN_ID, eos)
+    w.add_bool(L.KEY_ADD_BOS, bool(_Json(ckpt.dir / "tokenizer_config.json").get("add_bos_token", False)))
+    w.add_bool(L.KEY_ADD_EOS, False)
+
+    w.add_string(L.KEY_TTS_MODEL_TYPE, ckpt.kind)
+    w.add_string(L.KEY_TTS_MODEL_SIZE, ckpt.config["tts_model_size"])
+    dialects = {spk: lang for spk, lang in (t.get("spk_is_dialect") or {}).items() if lang}
+    w.add_array(L.KEY_DIALECT_SPEAKERS, list(dialects))  # not written when empty (gguf cannot)
+    w.add_array(L.KEY_DIALECT_LANGUAGES, list(dialects.values()))
+    for key, typ in L.GENERATION_KEYS.items():
+        value = ckpt.generation.get(_GENERATION_SOURCE.get(key, key))
+        if value is not None:
+            _add_typed(w, L.KEY_GENERATION_PREFIX + key, typ(value))
+    _write_file(w, path, tensors, out_type)
+
+
+def _write_mmproj(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
+    cp, dec = ckpt.code_predictor, ckpt.decoder
+    has_spkenc = ckpt.kind == "base"
+    tensors = _code_predictor_tensors(ckpt) + _codec_tensors(ckpt)
+    if has_spkenc:
+        tensors += _speaker_encoder_tensors(ckpt)
+    w = gguf.GGUFWriter(None, L.MMPROJ_ARCH)
+    _add_general(w, ckpt, "mmproj", out_type, tensors)
+    hidden = ckpt.talker["hidden_size"]
+    if has_spkenc:
+        # ECAPA-TDNN has no attention or FFN: clip.cpp needs these keys, llama.cpp writes fixed values
+        w.add_bool(L.KEY_HAS_AUDIO_ENCODER, True)
+        w.add_string(L.KEY_AUDIO_PROJECTOR_TYPE, L.SPKENC_PROJECTOR_TYPE)
+        w.add_uint32(L.KEY_AUDIO_PROJECTION_DIM, hidden)
+        w.add_uint32(L.KEY_AUDIO_NUM_MEL_BINS, _SPK_NUM_MEL_BINS)
+        w.add_uint32(L.KEY_AUDIO_BLOCK_COUNT, _SPK_BLOCKS)
+        w.add_uint32(L.KEY_AUDIO_EMBEDDING_LENGTH, _SPK_CHANNELS)
+        w.add_uint32(L.KEY_AUDIO_HEAD_COUNT, 1)
+        w.add_uint32(L.KEY_AUDIO_FEED_FORWARD_LENGTH, _SPK_CHANNELS)
+        w.add_float32(L.KEY_AUDIO_LAYERNORM_EPS, _SPK_EPS)
+    w.add_bool(L.KEY_HAS_GEN_AUDIO_ENCODER, True)
+    w.add_string(L.KEY_GEN_PROJECTOR_TYPE, L.GEN_PROJECTOR_TYPE)
+    w.add_uint32(L.KEY_GEN_PROJECTION_DIM, hidden)
+    w.add_uint32(L.KEY_GEN_EMBEDDING_LENGTH, cp["hidden_size"])
+    w.add_uint32(L.KEY_GEN_FEED_FORWARD_LENGTH, cp["intermediate_size"])
+    w.add_uint32(L.KEY_GEN_BLOCK_COUNT, cp["num_hidden_layers"])
+    w.add_uint32(L.KEY_GEN_HEAD_COUNT, cp["num_attention_heads"])
+    w.add_uint32(L.KEY_GEN_HEAD_COUNT_KV, cp["num_key_value_heads"])
+    w.add_float32(L.KEY_GEN_LAYERNORM_EPS, cp["rms_norm_eps"])
+
+    for key, typ in L.CODEC_KEYS.items():
+        _add_typed(w, L.KEY_CODEC_PREFIX + key, typ(dec[key]))
+    w.add_uint32(L.KEY_CODEC_SAMPLE_RATE, ckpt.codec_config["output_sample_rate"])
+    w.add_uint32(L.KEY_CODEC_SAMPLES_PER_FRAME, ckpt.codec_config["decode_upsample_rate"])
+    w.add_array(L.KEY_CODEC_UPSAMPLING_RATIOS, [int(r) for r in dec["upsampling_ratios"]])
+    w.add_array(L.KEY_CODEC_UPSAMPLE_RATES, [int(r) for r in dec["upsample_rates"]])
+    w.add_uint32(L.KEY_CP_HEAD_DIM, cp["head_dim"])
+    w.add_float32(L.KEY_CP_ROPE_THETA, cp["rope_theta"])
+    w.add_uint32(L.KEY_CP_VOCAB_SIZE, cp["vocab_size"])
+    w.add_uint32(L.KEY_CP_NUM_CODE_GROUPS, cp["num_code_groups"])
+    _write_file(w, path, tensors, out_type)
+
+
+def _add_general(w: gguf.GGUFWriter, ckpt: _Checkpoint, file_kind: str, out_type: str,
+                 tensors: list[_Tensor]) -> None:
+    """general.* as llama.cpp writes them: name, basename, size label... from the directory name
+    and model card, sampling defaults from generation_config.json, file type."""
+    n_params = sum(math.prod(t.shape) for t in tensors)
+    meta = gguf.Metadata.load(None, ckpt.dir, None, n_params)
+    meta.name = meta.name or ckpt.dir.resolve().name
+    meta.size_label = meta.size_label or gguf.size_label(n_params, 0, 0, 0)
+    w.add_string(L.KEY_TYPE, file_kind)
+    meta.set_gguf_meta_model(w)
+    w.add_uint32(L.KEY_FILE_TYPE, int(_FILE_TYPES[out_type]))
+    w.add_uint32(L.KEY_QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
+
+
+def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    else:
+        w.add_float32(key, value)
+
+
+def _ggml_type(t: _Tensor, out_type: str) -> QType:
+    """llama.cpp's rules: vectors F32; the codec decoder and forced tensors F32 (ours); rows that
+    are not whole Q8_0 blocks fall back to F16."""
+    if out_type == "f32" or len(t.shape) < 2 or t.keep_f32 or t.name.startswith(L.WAV_PREFIX):
+        return QType.F32
+    if out_type == "q8_0" and t.shape[-1] % gguf.GGML_QUANT_SIZES[QType.Q8_0][0] == 0:
+        return QType.Q8_0
+    return QType.F16
+
+
+def _encode(a: np.ndarray, qtype: QType) -> np.ndarray:
+    if qtype == QType.F32:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if qtype == QType.F16:
+        return a.astype(np.float16)
+    return gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
+
+
+def _write_file(w: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], out_type: str) -> None:
+    """Header, metadata and tensor infos through GGUFWriter, then the data tensor by tensor,
+    chunk by chunk, into `<path>.part`, renamed when complete."""
+    types = [_ggml_type(t, out_type) for t in tensors]
+    for t, qtype in zip(tensors, types):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), math.prod(t.shape) // block * size, qtype)
+    part = path.with_name(path.name + ".part")
+    progress = sys.stderr.isatty()
+    try:
+        w.write_header_to_file(part)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        w.write_padding(fout, fout.tell())
+        for i, (t, qtype) in enumerate(zip(tensors, types)):
+            if progress:
+                print(f"\r{path.name}: tensor {i + 1}/{len(tensors)}", end="", file=sys.stderr, flush=True)
+            n = 0
+            for chunk in t.chunks():
+                data = _encode(chunk, qtype)
+                data.tofile(fout)
+                n += data.nbytes
+            w.write_padding(fout, n)
+        w.close()
+        part.replace(path)
+    finally:
+        w.close()
+        part.unlink(missing_ok=True)
+        if progress:
+            print(file=sys.stderr)

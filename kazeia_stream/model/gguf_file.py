@@ -1,0 +1,153 @@
+"""Read GGUF metadata and tensors with the gguf parser of llama.cpp's own libggml.
+
+Using the C parser that libllama and mtmd use means a file we accept is a file they accept, and
+opening a large vocabulary costs milliseconds. Tensor data is memory-mapped with numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from ..errors import ModelFileError
+from ..ggml_lib import GGUFInitParams, ggml
+
+GGUF_MAGIC = b"GGUF"
+
+# enum gguf_type
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(13)
+_SCALAR_GETTERS = {
+    _UINT8: "gguf_get_val_u8", _INT8: "gguf_get_val_i8", _UINT16: "gguf_get_val_u16",
+    _INT16: "gguf_get_val_i16", _UINT32: "gguf_get_val_u32", _INT32: "gguf_get_val_i32",
+    _FLOAT32: "gguf_get_val_f32", _BOOL: "gguf_get_val_bool", _UINT64: "gguf_get_val_u64",
+    _INT64: "gguf_get_val_i64", _FLOAT64: "gguf_get_val_f64",
+}
+_ARRAY_DTYPES = {
+    _UINT8: np.uint8, _INT8: np.int8, _UINT16: np.uint16, _INT16: np.int16, _UINT32: np.uint32,
+    _INT32: np.int32, _FLOAT32: np.float32, _BOOL: np.bool_, _UINT64: np.uint64,
+    _INT64: np.int64, _FLOAT64: np.float64,
+}
+_PLAIN_DTYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I32: np.int32,
+}
+
+
+class GGUFFile:
+    """One GGUF file: typed metadata by key, tensors as numpy arrays in numpy axis order."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"{self.path}: no such file")
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ModelFileError(f"{self.path}: not a GGUF file (bad magic)")
+        self._ctx = ggml.gguf_init_from_file(os.fsencode(self.path), GGUFInitParams(True, None))
+        if not self._ctx:
+            raise ModelFileError(f"{self.path}: the GGUF header is damaged or truncated")
+        data_offset = ggml.gguf_get_data_offset(self._ctx)
+        for i in range(ggml.gguf_get_n_tensors(self._ctx)):
+            end = data_offset + ggml.gguf_get_tensor_offset(self._ctx, i) + ggml.gguf_get_tensor_size(self._ctx, i)
+            if end > size:
+                name = ggml.gguf_get_tensor_name(self._ctx, i).decode()
+                raise ModelFileError(
+                    f"{self.path}: truncated ({size} bytes, tensor {name} ends at byte {end})")
+        self._data_offset = data_offset
+
+    def __del__(self) -> None:
+        if getattr(self, "_ctx", None):
+            ggml.gguf_free(self._ctx)
+            self._ctx = None
+
+    def __contains__(self, key: str) -> bool:
+        return ggml.gguf_find_key(self._ctx, key.encode()) >= 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of a metadata key: a Python scalar, str, list of str, or numpy array."""
+        kid = ggml.gguf_find_key(self._ctx, key.encode())
+        if kid < 0:
+            return default
+        kind = ggml.gguf_get_kv_type(self._ctx, kid)
+        if kind == _STRING:
+            return ggml.gguf_get_val_str(self._ctx, kid).decode("utf-8")
+        if kind != _ARRAY:
+            return getattr(ggml, _SCALAR_GETTERS[kind])(self._ctx, kid)
+        n = ggml.gguf_get_arr_n(self._ctx, kid)
+        item = ggml.gguf_get_arr_type(self._ctx, kid)
+        if item == _STRING:
+            return [ggml.gguf_get_arr_str(self._ctx, kid, i).decode("utf-8") for i in range(n)]
+        dtype = np.dtype(_ARRAY_DTYPES[item])
+        buf = ctypes.string_at(ggml.gguf_get_arr_data(self._ctx, kid), n * dtype.itemsize)
+        return np.frombuffer(buf, dtype=dtype).copy()
+
+    def require(self, key: str) -> Any:
+        """Like `get`, but a missing key is an error naming the file."""
+        value = self.get(key)
+        if value is None:
+            raise ModelFileError(f"{self.path}: metadata key {key!r} is missing")
+        return value
+
+    @cached_property
+    def tensor_names(self) -> list[str]:
+        return [ggml.gguf_get_tensor_name(self._ctx, i).decode()
+                for i in range(ggml.gguf_get_n_tensors(self._ctx))]
+
+    def has_tensor(self, name: str) -> bool:
+        return ggml.gguf_find_tensor(self._ctx, name.encode()) >= 0
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return GGMLQuantizationType(ggml.gguf_get_tensor_type(self._ctx, self._tensor_id(name)))
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape in numpy order (GGUF stores ne[0] = the innermost, contiguous axis)."""
+        tid = self._tensor_id(name)
+        ne = ggml.gguf_get_tensor_ne(self._ctx, tid)
+        dims = [ne[i] for i in range(4)]
+        while len(dims) > 1 and dims[-1] == 1:
+            dims.pop()
+        return tuple(reversed(dims))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored data, memory-mapped: plain types in their dtype, quantized rows as bytes."""
+        tid = self._tensor_id(name)
+        qtype = self.tensor_type(name)
+        shape = self.tensor_shape(name)
+        offset = self._data_offset + ggml.gguf_get_tensor_offset(self._ctx, tid)
+        if qtype in _PLAIN_DTYPES:
+            return np.memmap(self.path, dtype=_PLAIN_DTYPES[qtype], mode="r", offset=offset, shape=shape)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row_bytes = shape[-1] // block * type_size
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(*shape[:-1], row_bytes))
+
+    def rows(self, name: str, ids: np.ndarray | list[int]) -> np.ndarray:
+        """Rows of a 2-D tensor as float32, dequantized if needed."""
+        data = self.raw(name)[np.asarray(ids, dtype=np.int64)]
+        qtype = self.tensor_type(name)
+        if qtype in _PLAIN_DTYPES:
+            return data.astype(np.float32)
+        return dequantize(data, qtype).astype(np.float32, copy=False)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A whole tensor as float32."""
+        qtype = self.tensor_type(name)
+        data = self.raw(name)
+        if qtype in _PLAIN_DTYPES:
+            return np.asarray(data, dtype=np.float32)
+        return dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
+
+    def _tensor_id(self, name: str) -> int:
+        tid = ggml.gguf_find_tensor(self._ctx, name.encode())
+        if tid < 0:
+            raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+        return tid

@@ -1,0 +1,48 @@
+"""libllama: loading the talker GGUF, with llama.cpp's log routed to Python logging."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import llama_cpp
+
+from ..errors import ModelFileError
+
+log = logging.getLogger("llama.cpp")
+
+_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.WARNING, 3: logging.ERROR,
+           4: logging.DEBUG, 5: logging.DEBUG}
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", errors="replace").rstrip()
+    if message:
+        log.log(_LEVELS.get(level, logging.DEBUG), "%s", message)
+
+
+# The callback object lives at module level: libllama keeps only its address.
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+llama_cpp.llama_backend_init()
+
+
+class LlamaModel:
+    """A libllama model (weights memory-mapped) and its vocabulary."""
+
+    def __init__(self, path: Path) -> None:
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.path = path
+        self.ptr = llama_cpp.llama_model_load_from_file(os.fsencode(path), params)
+        if not self.ptr:
+            raise ModelFileError(f"{path}: libllama could not load it (run with -v for llama.cpp's reason)")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+

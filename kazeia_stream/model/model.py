@@ -1,0 +1,163 @@
+"""A loaded Qwen3-TTS model: its two GGUF files, its config, its tokenizer, its prompts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelFileError, UsageError
+from . import gguf_layout as L
+from .config import ModelConfig, read_config
+from .gguf_file import GGUFFile
+from .llama import LlamaModel
+from .prompt import assistant_text, build_prompt, instruct_text
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def find_pair(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """(talker, mmproj) from a folder holding the pair, or from the talker file with the mmproj
+    beside it. mmproj files are recognised by name (`mmproj*.gguf`), as llama.cpp names them."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or folder")
+    folder = path if path.is_dir() else path.parent
+    mmprojs = sorted(p for p in folder.glob("*.gguf") if p.name.startswith("mmproj"))
+    if path.is_dir():
+        talkers = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("mmproj"))
+        if len(talkers) != 1:
+            found = ", ".join(p.name for p in talkers) or "none"
+            raise ModelFileError(f"{folder}: expected one talker .gguf beside the mmproj, found {found}")
+        path = talkers[0]
+    if len(mmprojs) != 1:
+        found = ", ".join(p.name for p in mmprojs) or "none"
+        raise ModelFileError(f"{folder}: expected one mmproj*.gguf beside {path.name}, found {found}")
+    return path, mmprojs[0]
+
+
+class _TalkerRows:
+    """Row lookup in the talker's `token_embd`: text rows first, then the codec rows."""
+
+    def __init__(self, talker: GGUFFile, text_vocab_size: int) -> None:
+        self._file = talker
+        self._offset = text_vocab_size
+
+    def text(self, ids: list[int]) -> np.ndarray:
+        return self._file.rows(L.TALKER_TOKEN_EMBD, ids)
+
+    def codec(self, ids: list[int]) -> np.ndarray:
+        return self._file.rows(L.TALKER_TOKEN_EMBD, [self._offset + i for i in ids])
+
+
+class Model:
+    """A Qwen3-TTS model loaded from its GGUF pair. Create it with `load_model`."""
+
+    def __init__(self, talker_path: Path, mmproj_path: Path) -> None:
+        self.talker_path, self.mmproj_path = talker_path, mmproj_path
+        self.talker_file = GGUFFile(talker_path)
+        self.mmproj_file = GGUFFile(mmproj_path)
+        _check_architecture(self.talker_file, self.mmproj_file)
+        self.llama_model = LlamaModel(talker_path)
+        self.tokenizer = Tokenizer(self.llama_model.vocab)
+        codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
+        text_vocab = self.tokenizer.n_tokens - codec_vocab
+        names = [self.tokenizer.token_text(text_vocab + i) for i in range(codec_vocab)]
+        self.config: ModelConfig = read_config(self.talker_file, self.mmproj_file, names,
+                                               self.tokenizer.special_id)
+        self._rows = _TalkerRows(self.talker_file, self.config.talker.text_vocab_size)
+
+    @property
+    def kind(self) -> str:
+        """custom_voice, base or voice_design."""
+        return self.config.kind
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sample_rate
+
+    @property
+    def voices(self) -> list[str]:
+        """Built-in speakers (CustomVoice models), lower case as in the official config."""
+        return sorted(self.config.speakers)
+
+    @property
+    def languages(self) -> list[str]:
+        """Languages the model knows, plus "auto"."""
+        return ["auto", *sorted(self.config.languages)]
+
+    @property
+    def default_voice(self) -> str | None:
+        """The voice used when none is given: the first built-in speaker by name, if any."""
+        return self.voices[0] if self.voices else None
+
+    def prefill(self, text: str, *, voice: str | None = None, language: str = "auto",
+                instruct: str | None = None, text_streaming: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The talker's prefill embeddings [T, H] and the trailing text embeddings [N, H].
+
+        With `text_streaming` only the first text token is in the prefill and one more text
+        embedding joins each generated frame; without it the whole text is in the prefill.
+        """
+        if not text or not text.strip():
+            raise UsageError("the text is empty")
+        speaker = self._resolve_voice(voice)
+        language_id = self._resolve_language(language, speaker)
+        instruct_ids = self._instruct_ids(instruct)
+        template = self._encode(assistant_text(text))
+        spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
+        return build_prompt(self._rows, self.config.text_ids, self.config.codec_ids, template,
+                            instruct_ids=instruct_ids, language_id=language_id, speaker=spk_row,
+                            text_streaming=text_streaming)
+
+    def _encode(self, text: str) -> list[int]:
+        """Tokens of a template string; text ids beyond the text vocabulary would be codec rows."""
+        ids = self.tokenizer.encode(text)
+        if max(ids) >= self.config.talker.text_vocab_size:
+            raise UsageError("the text contains a codec control token such as <|codec_0|>")
+        return ids
+
+    def _resolve_voice(self, voice: str | None) -> str | None:
+        if self.kind != "custom_voice":
+            if voice is not None:
+                raise UsageError(f"a {self.kind} model has no built-in voices (got {voice!r})")
+            return None
+        name = (voice or self.default_voice or "").lower()
+        if name not in self.config.speakers:
+            raise UsageError(f"unknown voice {voice!r}; this model has: {', '.join(self.voices)}")
+        return name
+
+    def _resolve_language(self, language: str, speaker: str | None) -> int | None:
+        name = (language or "auto").lower()
+        if name != "auto" and name not in self.config.languages:
+            raise UsageError(f"unknown language {language!r}; this model knows: {', '.join(self.languages)}")
+        dialect = self.config.dialects.get(speaker or "")
+        if dialect and name in ("chinese", "auto"):
+            return self.config.languages[dialect]
+        return None if name == "auto" else self.config.languages[name]
+
+    def _instruct_ids(self, instruct: str | None) -> list[int] | None:
+        if not instruct:
+            return None
+        if self.kind == "base":
+            raise UsageError("a base model takes no instruction")
+        if self.kind == "custom_voice" and self.config.size == "0b6":
+            log.warning("the 0.6B CustomVoice model ignores instructions (as the official code does)")
+            return None
+        return self._encode(instruct_text(instruct))
+
+
+def _check_architecture(talker: GGUFFile, mmproj: GGUFFile) -> None:
+    arch = talker.get(L.KEY_ARCHITECTURE)
+    if arch != L.TALKER_ARCH:
+        raise ModelFileError(f"{talker.path}: architecture is {arch!r}, not a Qwen3-TTS talker ({L.TALKER_ARCH!r})")
+    proj = mmproj.get(L.KEY_GEN_PROJECTOR_TYPE)
+    if mmproj.get(L.KEY_ARCHITECTURE) != "clip" or proj != L.GEN_PROJECTOR_TYPE:
+        raise ModelFileError(f"{mmproj.path}: not a Qwen3-TTS mmproj (generation projector {proj!r})")
+
+
+def load_model(path: str | os.PathLike[str]) -> Model:
+    """Load a model from a folder holding the GGUF pair, or from the talker file."""
+    return Model(*find_pair(path))

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random checkpoints and their GGUF conversions, built once per session."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAKE_CHECKPOINT = ROOT / "tools" / "make_random_checkpoint.py"
+# The seeds tools/make_references.py built its tiny checkpoints from (tests/data/refs/*.npz).
+TINY_SEEDS = {"custom_voice": 1, "voice_design": 2, "base": 3}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_checkpoint(kind, seed=None)`: directory of a tiny random checkpoint in the
+    official layout (kind: custom_voice, base or voice_design)."""
+    cache: dict[tuple[str, int], Path] = {}
+
+    def make(kind: str, seed: int | None = None) -> Path:
+        seed = TINY_SEEDS[kind] if seed is None else seed
+        if (kind, seed) not in cache:
+            out = tmp_path_factory.mktemp("checkpoints") / f"tiny-{kind}-{seed}"
+            subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--kind", kind,
+                            "--seed", str(seed), str(out)], check=True, capture_output=True)
+            cache[kind, seed] = out
+        return cache[kind, seed]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory,
+              tiny_checkpoint: Callable[..., Path]) -> Callable[..., tuple[Path, Path]]:
+    """`tiny_gguf(kind, out_type="f32", seed=None)`: (talker, mmproj) GGUF paths of the
+    converted tiny checkpoint."""
+    from kazeia_stream.model.convert import convert
+
+    cache: dict[tuple[str, str, int], tuple[Path, Path]] = {}
+
+    def make(kind: str, out_type: str = "f32", seed: int | None = None) -> tuple[Path, Path]:
+        seed = TINY_SEEDS[kind] if seed is None else seed
+        if (kind, out_type, seed) not in cache:
+            cache[kind, out_type, seed] = convert(tiny_checkpoint(kind, seed),
+                                                  tmp_path_factory.mktemp("gguf"), out_type)
+        return cache[kind, out_type, seed]
+
+    return make

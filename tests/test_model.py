@@ -1,0 +1,172 @@
+"""Loading a GGUF pair, reading its config, tokenizing, and building prompts like the official code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kazeia_stream
+from kazeia_stream import ModelFileError, UsageError
+from kazeia_stream.model.prompt import assistant_text
+
+REFS = Path(__file__).parent / "data" / "refs"
+
+
+def _refs(name: str) -> np.lib.npyio.NpzFile:
+    return np.load(REFS / f"{name}.npz")
+
+
+@pytest.fixture(scope="module")
+def custom_voice(tiny_gguf) -> kazeia_stream.Model:
+    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+
+
+@pytest.fixture(scope="module")
+def voice_design(tiny_gguf) -> kazeia_stream.Model:
+    return kazeia_stream.load_model(tiny_gguf("voice_design")[0].parent)
+
+
+def test_config_is_read_from_the_files(custom_voice, voice_design, tiny_checkpoint):
+    hf = json.loads((tiny_checkpoint("custom_voice") / "config.json").read_text())
+    tc = hf["talker_config"]
+    cfg = custom_voice.config
+    assert custom_voice.kind == "custom_voice" and cfg.size == "0b6"
+    assert voice_design.kind == "voice_design" and voice_design.config.size == "1b7"
+    assert cfg.talker.hidden_size == tc["hidden_size"]
+    assert cfg.talker.num_layers == tc["num_hidden_layers"]
+    assert cfg.talker.head_dim == tc["head_dim"]
+    assert cfg.talker.text_vocab_size == tc["text_vocab_size"]
+    assert cfg.talker.codec_vocab_size == tc["vocab_size"]
+    assert cfg.code_predictor.num_layers == tc["code_predictor_config"]["num_hidden_layers"]
+    assert cfg.code_predictor.num_code_groups == 16 and cfg.code_predictor.vocab_size == 2048
+    assert not cfg.code_predictor.has_projection and voice_design.config.code_predictor.has_projection
+    assert cfg.codec.samples_per_frame == 1920 and custom_voice.sample_rate == 24000
+    assert cfg.codec_ids.eos == tc["codec_eos_token_id"] and cfg.codec_ids.bos == tc["codec_bos_id"]
+    assert cfg.text_ids.tts_pad == hf["tts_pad_token_id"] and cfg.text_ids.im_start == hf["im_start_token_id"]
+    assert cfg.speakers == tc["spk_id"]
+    assert cfg.languages == tc["codec_language_id"]
+    assert cfg.dialects == {k: v for k, v in tc["spk_is_dialect"].items() if v}
+    assert voice_design.voices == [] and "english" in voice_design.languages
+
+
+def _prefill_cases(kind: str):
+    refs = _refs(f"prompts_{kind}")
+    for i, case in enumerate(json.loads(str(refs["cases_json"]))):
+        yield case, refs[f"c{i}_prefill"], refs[f"c{i}_trailing"], refs[f"c{i}_input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["custom_voice", "voice_design"])
+def test_prefill_matches_the_official_embeddings(kind, request):
+    model = request.getfixturevalue(kind)
+    for case, prefill_ref, trailing_ref, ids_ref in _prefill_cases(kind):
+        assert model._encode(assistant_text(case["text"])) == ids_ref.tolist(), case["name"]
+        prefill, trailing = model.prefill(case["text"], voice=case["voice"], language=case["language"],
+                                          instruct=case["instruct"],
+                                          text_streaming=not case["non_streaming"])
+        assert prefill.shape == prefill_ref.shape and trailing.shape == trailing_ref.shape, case["name"]
+        scale = np.abs(prefill_ref).max()
+        assert np.abs(prefill - prefill_ref).max() <= 1e-6 * scale, case["name"]
+        assert np.abs(trailing - trailing_ref).max() <= 1e-6 * scale, case["name"]
+
+
+def test_names_are_case_insensitive(custom_voice):
+    a = custom_voice.prefill("Hi.", voice="Ryan", language="English")[0]
+    b = custom_voice.prefill("Hi.", voice="ryan", language="english")[0]
+    assert np.array_equal(a, b)
+
+
+def test_dialect_speaker_uses_its_dialect_only_for_chinese_and_auto(custom_voice):
+    ids = custom_voice.config.languages
+    rows = custom_voice._rows
+    auto = custom_voice.prefill("Hi.", voice="eric", language="auto")[0]
+    english = custom_voice.prefill("Hi.", voice="eric", language="english")[0]
+    pad = rows.text([custom_voice.config.text_ids.tts_pad])[0]
+    # Position 3 + 2 holds PAD + the language row in the control block.
+    assert np.allclose(auto[5], pad + rows.codec([ids["sichuan_dialect"]])[0], atol=1e-6)
+    assert np.allclose(english[5], pad + rows.codec([ids["english"]])[0], atol=1e-6)
+
+
+def test_bad_requests_are_clear_errors(custom_voice, voice_design):
+    with pytest.raises(UsageError, match="empty"):
+        custom_voice.prefill("   ")
+    with pytest.raises(UsageError, match="unknown voice 'nobody'.*ryan"):
+        custom_voice.prefill("Hi.", voice="nobody")
+    with pytest.raises(UsageError, match="unknown language 'klingon'"):
+        custom_voice.prefill("Hi.", language="klingon")
+    with pytest.raises(UsageError, match="no built-in voices"):
+        voice_design.prefill("Hi.", voice="ryan")
+
+
+def test_tokenizer_matches_the_official_qwen2_tokenizer(custom_voice):
+    refs = _refs("tokenizer")
+    sentences = json.loads(str(refs["sentences_json"]))
+    differ = []
+    for i, text in enumerate(sentences):
+        ours = custom_voice.tokenizer.encode(text)
+        assert ours == refs[f"t{i}_ids_qwen2"].tolist(), text
+        if ours != refs[f"t{i}_ids"].tolist():
+            differ.append(text)
+    # Only the Mistral-regex split of the official loader differs (documented in README.md).
+    assert differ == [t for t in sentences if "iPhone" in t]
+
+
+# --- bad files ---------------------------------------------------------------------------------
+
+def _copy_pair(tiny_gguf, tmp_path: Path) -> tuple[Path, Path]:
+    talker, mmproj = tiny_gguf("custom_voice")
+    return Path(shutil.copy(talker, tmp_path)), Path(shutil.copy(mmproj, tmp_path))
+
+
+def test_missing_files(tiny_gguf, tmp_path):
+    with pytest.raises(ModelFileError, match="no such file"):
+        kazeia_stream.load_model(tmp_path / "nothing")
+    talker, mmproj = _copy_pair(tiny_gguf, tmp_path)
+    mmproj.unlink()
+    with pytest.raises(ModelFileError, match="expected one mmproj.*found none"):
+        kazeia_stream.load_model(talker)
+
+
+def test_truncated_file_names_the_file(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    with open(talker, "r+b") as f:
+        f.truncate(talker.stat().st_size - 1000)
+    with pytest.raises(ModelFileError, match=f"{talker.name}: truncated"):
+        kazeia_stream.load_model(tmp_path)
+
+
+def test_not_a_gguf(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    talker.write_bytes(b"not a model at all")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        kazeia_stream.load_model(tmp_path)
+
+
+def test_damaged_header(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    with open(talker, "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(ModelFileError, match="damaged or truncated"):
+        kazeia_stream.load_model(tmp_path)
+
+
+def test_wrong_gguf_in_either_place(tiny_gguf, tmp_path):
+    talker, mmproj = _copy_pair(tiny_gguf, tmp_path)
+    original = talker.read_bytes()
+    shutil.copy(mmproj, talker)
+    with pytest.raises(ModelFileError, match=f"{talker.name}: architecture is 'clip'"):
+        kazeia_stream.load_model(tmp_path)
+    talker.write_bytes(original)
+    shutil.copy(talker, mmproj)
+    with pytest.raises(ModelFileError, match=f"{mmproj.name}: not a Qwen3-TTS mmproj"):
+        kazeia_stream.load_model(tmp_path)
+
+
+def test_ambiguous_folder(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    shutil.copy(talker, tmp_path / "other.gguf")
+    with pytest.raises(ModelFileError, match="expected one talker"):
+        kazeia_stream.load_model(tmp_path)
