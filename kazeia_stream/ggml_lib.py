@@ -1,7 +1,8 @@
 """ctypes declarations for the few libggml functions we call directly.
 
 The library is the one llama-cpp-python bundles (`llama_cpp._ggml.libggml`), so the process holds
-one ggml. Signatures follow `include/gguf.h` of llama-cpp-python 0.3.36.
+one ggml. Signatures follow `include/gguf.h`, `include/ggml.h` and `include/ggml-backend.h` of
+llama-cpp-python 0.3.36.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ class GGUFInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
+class GGMLTensorHead(ctypes.Structure):
+    """The leading fields of struct ggml_tensor (ggml.h): its type, buffer and shape."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4)]
+
+
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "gguf_init_from_file": ([_c.c_char_p, GGUFInitParams], _ctx),
+    "gguf_init_from_buffer": ([_c.c_void_p, _c.c_size_t, GGUFInitParams], _ctx),
     "gguf_free": ([_ctx], None),
     "gguf_get_data_offset": ([_ctx], _c.c_size_t),
     "gguf_find_key": ([_ctx, _c.c_char_p], _c.c_int64),
@@ -49,6 +57,10 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "gguf_get_tensor_ne": ([_ctx, _c.c_int64], _c.POINTER(_c.c_int64)),
     "gguf_get_tensor_type": ([_ctx, _c.c_int64], _c.c_int),
     "gguf_get_tensor_size": ([_ctx, _c.c_int64], _c.c_size_t),
+    # ggml.h / ggml-backend.h: tensors handed to us by libllama
+    "ggml_get_name": ([_c.c_void_p], _c.c_char_p),
+    "ggml_nbytes": ([_c.c_void_p], _c.c_size_t),
+    "ggml_backend_tensor_set": ([_c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_size_t], None),
 }
 
 for _name, (_args, _ret) in _SIGNATURES.items():

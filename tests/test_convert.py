@@ -2,40 +2,52 @@
 
 from __future__ import annotations
 
-import ctypes
+import functools
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
-import gguf
+import llama_cpp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 
 from kazeia_stream.errors import ModelFileError, UsageError
 from kazeia_stream.model import gguf_layout as L
 from kazeia_stream.model.convert import TYPES, convert
+from kazeia_stream.model.gguf_file import GGUFFile
 
 KINDS = ("custom_voice", "base", "voice_design")
 REFS = Path(__file__).parent / "data" / "refs"
 TEXT_VOCAB = 151936
 
 
+@functools.cache
+def gguf_file(path: Path) -> GGUFFile:
+    return GGUFFile(path)
+
+
 def tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF, dequantized to float32, in numpy axis order."""
-    out = {}
-    for t in GGUFReader(path).tensors:
-        out[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-    return out
+    f = gguf_file(path)
+    return {name: f.tensor(name) for name in f.tensor_names}
 
 
 def types(path: Path) -> dict[str, QType]:
-    return {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    f = gguf_file(path)
+    return {name: f.tensor_type(name) for name in f.tensor_names}
 
 
-def fields(path: Path) -> dict[str, object]:
-    return {k: f.contents() for k, f in GGUFReader(path).fields.items()}
+def meta(path: Path, key: str):
+    """A metadata value, arrays as lists; None when absent."""
+    value = gguf_file(path).get(key)
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def fields(path: Path):
+    return functools.partial(meta, path)
 
 
 def load_ref(kind: str) -> dict[str, np.ndarray]:
@@ -45,8 +57,14 @@ def load_ref(kind: str) -> dict[str, np.ndarray]:
     return dict(np.load(path))
 
 
-def ref_seed(ref: dict[str, np.ndarray]) -> int:
-    return json.loads(str(ref["checkpoint_json"]))["seed"]
+def ref_gguf(ref: dict[str, np.ndarray], tiny_checkpoint, tiny_gguf) -> tuple[Path, Path]:
+    """The f32 conversion of the checkpoint the reference was computed from."""
+    spec = json.loads(str(ref["checkpoint_json"]))
+    assert spec["preset"] == "tiny"
+    weights = tiny_checkpoint(spec["kind"], spec["seed"]) / "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == str(ref["weights_sha256"]), \
+        "the reference is stale: regenerate it with tools/make_references.py"
+    return tiny_gguf(spec["kind"], "f32", spec["seed"])
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray, rel: float = 1e-5) -> None:
@@ -58,23 +76,27 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rel: float = 1e-5) ->
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_talker_embeddings_match_official(kind, tiny_gguf):
+def test_talker_embeddings_match_official(kind, tiny_checkpoint, tiny_gguf):
     ref = load_ref(kind)
-    talker, _ = tiny_gguf(kind, "f32", ref_seed(ref))
-    embd = tensors(talker)[L.TALKER_TOKEN_EMBD]
+    talker, _ = ref_gguf(ref, tiny_checkpoint, tiny_gguf)
+    embd = gguf_file(talker).tensor(L.TALKER_TOKEN_EMBD)
     assert_close(embd[ref["text_ids"]], ref["text_rows"])
     assert_close(embd[TEXT_VOCAB + ref["codec_ids"]], ref["codec_rows"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_mmproj_matches_official(kind, tiny_gguf):
+def test_mmproj_matches_official(kind, tiny_checkpoint, tiny_gguf):
     ref = load_ref(kind)
-    _, mmproj = tiny_gguf(kind, "f32", ref_seed(ref))
-    t = tensors(mmproj)
+    t = tensors(ref_gguf(ref, tiny_checkpoint, tiny_gguf)[1])
     assert_close(t[L.CP_OUT_EMBD][ref["codec_ids"]], ref["codec_rows"])
-    assert_close(t[L.CP_EMBD][:, ref["cp_ids"]], ref["cp_embd_rows"])
-    assert_close(np.einsum("gvh,gh->gv", t[L.CP_HEAD], ref["cp_head_in"]), ref["cp_head_out"])
-    codes = ref["quant_codes"]  # [T, 16]
+    assert_close(t[L.CP_EMBD][:, ref["cp_embd_ids"]], ref["cp_embd_rows"])
+    assert_close(np.einsum("gvh,nh->gnv", t[L.CP_HEAD], ref["cp_head_in"]), ref["cp_head_out"])
+    if "mtp_proj_in" in ref:
+        proj = ref["mtp_proj_in"] @ t[L.CP_PROJ_IN + ".weight"].T + t[L.CP_PROJ_IN + ".bias"]
+        assert_close(proj, ref["mtp_proj_out"])
+    else:
+        assert L.CP_PROJ_IN + ".weight" not in t
+    codes = ref["quant_codes"]  # [T, 16], time-major like quant_out
     first = t[L.WAV_QUANT_FIRST_CB][codes[:, 0]] @ t[L.WAV_QUANT_FIRST_OUT].T
     rest = sum(t[L.WAV_QUANT_REST_CB][i][codes[:, i + 1]] for i in range(codes.shape[1] - 1))
     assert_close(first + rest @ t[L.WAV_QUANT_REST_OUT].T, ref["quant_out"])
@@ -102,9 +124,9 @@ def test_snake_and_codec_copies_match_checkpoint(tiny_checkpoint, tiny_gguf):
 
 def test_talker_vocabulary(tiny_gguf):
     f = fields(tiny_gguf("custom_voice")[0])
-    tokens, token_types = f[L.KEY_TOKENS], f[L.KEY_TOKEN_TYPES]
+    tokens, token_types = f(L.KEY_TOKENS), f(L.KEY_TOKEN_TYPES)
     assert len(tokens) == len(token_types) == TEXT_VOCAB + 3072
-    assert f[L.KEY_TOKENIZER_MODEL] == "gpt2" and f[L.KEY_TOKENIZER_PRE] == "qwen2"
+    assert f(L.KEY_TOKENIZER_MODEL) == "gpt2" and f(L.KEY_TOKENIZER_PRE) == "qwen2"
     assert (tokens[151644], token_types[151644]) == ("<|im_start|>", TokenType.CONTROL)
     assert (tokens[151671], token_types[151671]) == ("<tts_pad>", TokenType.CONTROL)
     assert (tokens[151657], token_types[151657]) == ("<tool_call>", TokenType.USER_DEFINED)
@@ -116,38 +138,38 @@ def test_talker_vocabulary(tiny_gguf):
     assert codec["<|codec_language_english|>"] == 2050 and codec["<|spk_ryan|>"] == 3061
     assert set(token_types[TEXT_VOCAB:]) == {TokenType.CONTROL}
     eos = TEXT_VOCAB + 2150
-    assert f[L.KEY_EOS_TOKEN_ID] == eos and f[L.KEY_ADD_EOS] is False and f[L.KEY_ADD_BOS] is False
-    assert f[L.KEY_SUPPRESS_TOKENS] == [i for i in range(TEXT_VOCAB + 2048, TEXT_VOCAB + 3072) if i != eos]
-    assert L.KEY_CHAT_TEMPLATE not in f
-    assert len(f[L.KEY_MERGES]) > 150_000
+    assert f(L.KEY_EOS_TOKEN_ID) == eos and f(L.KEY_ADD_EOS) is False and f(L.KEY_ADD_BOS) is False
+    assert f(L.KEY_SUPPRESS_TOKENS) == [i for i in range(TEXT_VOCAB + 2048, TEXT_VOCAB + 3072) if i != eos]
+    assert f(L.KEY_CHAT_TEMPLATE) is None
+    assert len(f(L.KEY_MERGES)) > 150_000
 
 
 def test_talker_metadata(tiny_checkpoint, tiny_gguf):
     config = json.loads((tiny_checkpoint("custom_voice") / "config.json").read_text())["talker_config"]
     f = fields(tiny_gguf("custom_voice")[0])
-    assert f[L.KEY_ARCHITECTURE] == "qwen3tts" and f[L.KEY_FILE_TYPE] == 0
-    assert f[L.KEY_BLOCK_COUNT] == config["num_hidden_layers"]
-    assert f[L.KEY_EMBEDDING_LENGTH] == config["hidden_size"]
-    assert f[L.KEY_KEY_LENGTH] == f[L.KEY_VALUE_LENGTH] == config["head_dim"]
-    assert f[L.KEY_ROPE_SECTIONS] == config["rope_scaling"]["mrope_section"] + [0]
-    assert f[L.KEY_CONTEXT_LENGTH] == 32768 and f[L.KEY_ROPE_FREQ_BASE] == 1e6
-    assert f[L.KEY_TTS_MODEL_TYPE] == "custom_voice" and f[L.KEY_TTS_MODEL_SIZE] == "0b6"
-    assert dict(zip(f[L.KEY_DIALECT_SPEAKERS], f[L.KEY_DIALECT_LANGUAGES])) == {
+    assert f(L.KEY_ARCHITECTURE) == "qwen3tts" and f(L.KEY_FILE_TYPE) == 0
+    assert f(L.KEY_BLOCK_COUNT) == config["num_hidden_layers"]
+    assert f(L.KEY_EMBEDDING_LENGTH) == config["hidden_size"]
+    assert f(L.KEY_KEY_LENGTH) == f(L.KEY_VALUE_LENGTH) == config["head_dim"]
+    assert f(L.KEY_ROPE_SECTIONS) == config["rope_scaling"]["mrope_section"] + [0]
+    assert f(L.KEY_CONTEXT_LENGTH) == 32768 and f(L.KEY_ROPE_FREQ_BASE) == 1e6
+    assert f(L.KEY_TTS_MODEL_TYPE) == "custom_voice" and f(L.KEY_TTS_MODEL_SIZE) == "0b6"
+    assert dict(zip(f(L.KEY_DIALECT_SPEAKERS), f(L.KEY_DIALECT_LANGUAGES))) == {
         "eric": "sichuan_dialect", "dylan": "beijing_dialect"}
-    assert f[L.KEY_GENERATION_PREFIX + "subtalker_do_sample"] is True
-    assert f[L.KEY_GENERATION_PREFIX + "top_k"] == 50
-    assert f[L.KEY_GENERATION_PREFIX + "repetition_penalty"] == pytest.approx(1.05)
+    assert f(L.KEY_GENERATION_PREFIX + "subtalker_do_sample") is True
+    assert f(L.KEY_GENERATION_PREFIX + "top_k") == 50
+    assert f(L.KEY_GENERATION_PREFIX + "repetition_penalty") == pytest.approx(1.05)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_mmproj_layout(kind, tiny_gguf):
     path = tiny_gguf(kind)[1]
     f, names = fields(path), set(types(path))
-    assert f[L.KEY_ARCHITECTURE] == "clip" and f[L.KEY_GEN_PROJECTOR_TYPE] == "qwen3tts_gen"
-    assert f[L.KEY_CODEC_SAMPLES_PER_FRAME] == 1920 and f[L.KEY_CODEC_UPSAMPLE_RATES] == [8, 5, 4, 3]
-    assert f[L.KEY_CP_NUM_CODE_GROUPS] == 16
+    assert f(L.KEY_ARCHITECTURE) == "clip" and f(L.KEY_GEN_PROJECTOR_TYPE) == "qwen3tts_gen"
+    assert f(L.KEY_CODEC_SAMPLES_PER_FRAME) == 1920 and f(L.KEY_CODEC_UPSAMPLE_RATES) == [8, 5, 4, 3]
+    assert f(L.KEY_CP_NUM_CODE_GROUPS) == 16
     has_spkenc = kind == "base"
-    assert f.get(L.KEY_HAS_AUDIO_ENCODER, False) is has_spkenc
+    assert bool(f(L.KEY_HAS_AUDIO_ENCODER)) is has_spkenc
     assert (L.SPK_FC + ".weight" in names) is has_spkenc
     assert (L.SPK_RES2.format(bid=3, xid=6) + ".bias" in names) is has_spkenc
     # the tiny voice_design talker is wider than its code predictor
@@ -162,7 +184,6 @@ def test_mmproj_layout(kind, tiny_gguf):
 
 @pytest.fixture(scope="module")
 def llama():
-    llama_cpp = pytest.importorskip("llama_cpp")
     llama_cpp.llama_backend_init()
     return llama_cpp
 
@@ -244,7 +265,7 @@ def test_types(out_type, tiny_gguf):
     for f32_path, path in zip(tiny_gguf("base", "f32"), tiny_gguf("base", out_type)):
         reference, got, got_types = tensors(f32_path), tensors(path), types(path)
         assert got_types.keys() == reference.keys()
-        assert fields(path)[L.KEY_FILE_TYPE] == {"f16": 1, "q8_0": 7}[out_type]
+        assert meta(path, L.KEY_FILE_TYPE) == {"f16": 1, "q8_0": 7}[out_type]
         assert path.stat().st_size < f32_path.stat().st_size
         for name, qtype in got_types.items():
             assert qtype == expected_type(name, reference[name].shape, out_type), name

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     llama_cpp.llama_backend_init()
 
     def fail(what: str) -> int:
-        print(f"ERROR: {what}" + (f": {errors[-1]}" if errors else ""))
+        print(f"ERROR: {what}")
+        for line in errors:
+            print(f"  {line}")
         return 1
 
     params = llama_cpp.llama_model_default_params()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import ModelFileError
 from . import gguf_layout as L
 from .gguf_file import GGUFFile
@@ -85,6 +87,7 @@ class ModelConfig:
     dialects: dict[str, str]
     generation: dict[str, float | int | bool]
     has_speaker_encoder: bool
+    suppress_codes: np.ndarray = field(repr=False)
     codec_tokens: dict[str, int] = field(repr=False, default_factory=dict)
 
     @property
@@ -121,6 +124,10 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
     tcfg = _talker_config(talker, len(codec_token_names))
     size = talker.get(L.KEY_TTS_MODEL_SIZE) or ("0b6" if tcfg.hidden_size <= 1024 else "1b7")
     generation = {k: talker.get(L.KEY_GENERATION_PREFIX + k, v) for k, v in OFFICIAL_GENERATION.items()}
+    codec_ids = CodecIds(
+        pad=codec_id("codec_pad"), bos=codec_id("codec_bos"), eos=codec_id("codec_eos_token"),
+        think=codec_id("codec_think"), nothink=codec_id("codec_nothink"),
+        think_bos=codec_id("codec_think_bos"), think_eos=codec_id("codec_think_eos"))
     return ModelConfig(
         kind=kind,
         size=size,
@@ -131,22 +138,35 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
             im_start=text_token_id("<|im_start|>"), im_end=text_token_id("<|im_end|>"),
             tts_pad=text_token_id("<tts_pad>"), tts_bos=text_token_id("<tts_text_bos>"),
             tts_eos=text_token_id("<tts_text_eod>")),
-        codec_ids=CodecIds(
-            pad=codec_id("codec_pad"), bos=codec_id("codec_bos"), eos=codec_id("codec_eos_token"),
-            think=codec_id("codec_think"), nothink=codec_id("codec_nothink"),
-            think_bos=codec_id("codec_think_bos"), think_eos=codec_id("codec_think_eos")),
+        codec_ids=codec_ids,
         speakers=speakers,
         languages=languages,
         dialects=dialects,
         generation=generation,
         has_speaker_encoder=has_spkenc,
+        suppress_codes=_suppressed(talker, tcfg, codec_ids.eos),
         codec_tokens=tokens,
     )
 
 
+def _suppressed(talker: GGUFFile, tcfg: TalkerConfig, eos: int) -> np.ndarray:
+    """Codec ids codebook 0 may never take: the file's suppress list (global token ids), else
+    the official rule, the last 1024 codec ids but EOS."""
+    ids = talker.get(L.KEY_SUPPRESS_TOKENS)
+    if ids is None:
+        ids = [i for i in range(tcfg.codec_vocab_size - 1024, tcfg.codec_vocab_size) if i != eos]
+    else:
+        ids = np.asarray(ids, dtype=np.int64) - tcfg.text_vocab_size
+    return np.asarray(ids, dtype=np.int64)
+
+
 def _dialects(talker: GGUFFile, speakers: dict[str, int]) -> dict[str, str]:
+    """Our converter writes the table (and omits it when empty); published files need the
+    official one."""
     names = talker.get(L.KEY_DIALECT_SPEAKERS)
     if names is None:
+        if L.KEY_TTS_MODEL_TYPE in talker:
+            return {}
         return {s: d for s, d in OFFICIAL_DIALECT_SPEAKERS.items() if s in speakers}
     return dict(zip(names, talker.require(L.KEY_DIALECT_LANGUAGES)))
 

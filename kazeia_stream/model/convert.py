@@ -1,8 +1,9 @@
 """Convert an official Qwen3-TTS checkpoint (Hugging Face layout) into the GGUF pair llama.cpp reads.
 
 numpy and gguf only, no torch. The output matches llama.cpp's own converter
-(`conversion/qwen3tts.py`): same tensors, names, shapes, metadata and forced tensor types, so
-libllama loads the talker and mtmd the mmproj. Differences, on purpose:
+(`conversion/qwen3tts.py`): same tensors, names, shapes and metadata, and its tensor-type rules
+outside the codec decoder, so libllama loads the talker and mtmd the mmproj. Differences, on
+purpose:
 
 - the pre-tokenizer is written as `qwen2` directly (llama.cpp's converter refuses vocabularies
   whose hash it does not know);
@@ -11,8 +12,9 @@ libllama loads the talker and mtmd the mmproj. Differences, on purpose:
   (llama.cpp's converter assumes a Base model);
 - extra `kazeia.*` keys (see gguf_layout).
 
-Tensors are produced and written one at a time, the text-embedding fold in row blocks, so the
-peak memory is about the largest tensor, not the model.
+Every input is read and checked before anything is written, and both files are written or
+neither. Tensors are produced and written one at a time, the text-embedding fold in row blocks,
+so the peak memory is about the largest tensor, not the model.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..errors import ModelFileError, UsageError
 from . import gguf_layout as L
 
 TYPES: dict[str, str] = {
-    "f32": "everything F32 (the BF16 weights exactly)",
+    "f32": "everything F32 (lossless: the BF16 weights exactly)",
     "f16": "talker and code-predictor matrices (incl. embeddings and heads) and speaker-encoder "
            "kernels F16; norms, biases, the code predictor's ffn_down and the codec decoder F32",
     "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; speaker-encoder "
@@ -108,11 +110,19 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = ckpt.dir.resolve().name
-    talker_path = out / f"{name}-{out_type}.gguf"
-    mmproj_path = out / f"mmproj-{name}-{out_type}.gguf"
-    _write_talker(ckpt, talker_path, out_type)
-    _write_mmproj(ckpt, mmproj_path, out_type)
-    return talker_path, mmproj_path
+    paths = (out / f"{name}-{out_type}.gguf", out / f"mmproj-{name}-{out_type}.gguf")
+    parts = [path.with_name(path.name + ".part") for path in paths]
+    # every input is read and checked before anything is written; then both files or neither
+    files = [_talker_file(ckpt, out_type), _mmproj_file(ckpt, out_type)]
+    try:
+        for (writer, tensors), part in zip(files, parts):
+            _write_file(writer, tensors, part, out_type)
+        for part, path in zip(parts, paths):
+            part.replace(path)
+    finally:
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return paths
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,23 +179,23 @@ class _SafeTensors:
                 if not 0 < n <= size - 8:
                     raise ValueError("bad header length")
                 header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
+            header.pop("__metadata__", None)
+            self._entries = {name: self._entry_of(name, e, 8 + n, size) for name, e in header.items()}
         except FileNotFoundError:
             raise ModelFileError(f"{path}: file not found") from None
-        except (OSError, ValueError) as e:
-            raise ModelFileError(f"{path}: not a safetensors file ({e})") from None
-        header.pop("__metadata__", None)
-        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
-        for name, entry in header.items():
-            dtype = self._DTYPES.get(entry.get("dtype"))
-            if dtype is None:
-                raise ModelFileError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
-            shape = tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-            if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
-                raise ModelFileError(f"{path}: tensor {name} lies outside the file (truncated?)")
-            self._entries[name] = (dtype, shape, 8 + n + begin)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ModelFileError(f"{path}: not a safetensors file ({e!r})") from None
+
+    def _entry_of(self, name: str, entry: dict[str, Any], data_start: int,
+                  size: int) -> tuple[np.dtype, tuple[int, ...], int]:
+        dtype = self._DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ModelFileError(f"{self.path}: tensor {name} has unsupported dtype {entry['dtype']}")
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(o) for o in entry["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+            raise ModelFileError(f"{self.path}: tensor {name} lies outside the file (truncated?)")
+        return dtype, shape, data_start + begin
 
     def has(self, name: str) -> bool:
         return name in self._entries
@@ -218,7 +228,8 @@ class _SafeTensors:
 
 
 class _Checkpoint:
-    """The files of an official checkpoint directory, opened lazily where they are large."""
+    """The files of an official checkpoint directory: configs parsed, weights indexed (their
+    data is read on demand)."""
 
     def __init__(self, hf_dir: Path) -> None:
         if not hf_dir.is_dir():
@@ -228,6 +239,7 @@ class _Checkpoint:
         self.talker = self.config.section("talker_config")
         self.code_predictor = self.talker.section("code_predictor_config")
         self.generation = _Json(hf_dir / "generation_config.json")
+        self.tokenizer_config = _Json(hf_dir / "tokenizer_config.json")
         self.codec_config = _Json(hf_dir / "speech_tokenizer" / "config.json")
         self.decoder = self.codec_config.section("decoder_config")
         self.kind = self.config["tts_model_type"]
@@ -301,7 +313,8 @@ def _token_embd(ckpt: _Checkpoint) -> _Tensor:
     if t["hidden_act"] != "silu":
         raise ModelFileError(f"{ckpt.config.path}: unsupported talker_config.hidden_act {t['hidden_act']!r}")
     n_text, text_hidden, hidden = t["text_vocab_size"], t["text_hidden_size"], t["hidden_size"]
-    emb, codec, proj = "talker.model.text_embedding.weight", "talker.model.codec_embedding.weight", "talker.text_projection."
+    emb, codec = "talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"
+    proj = "talker.text_projection."
     st.expect(emb, (n_text, text_hidden))
     st.expect(codec, (t["vocab_size"], hidden))
     st.expect(proj + "linear_fc1.weight", (text_hidden, text_hidden))
@@ -422,12 +435,16 @@ def _text_tokens(ckpt: _Checkpoint) -> tuple[list[str], list[int]]:
     types = [TokenType.UNUSED] * n
     vocab_path = ckpt.dir / "vocab.json"
     vocab = _read_json(vocab_path)
-    added = _Json(ckpt.dir / "tokenizer_config.json").get("added_tokens_decoder", {})
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ModelFileError(f"{vocab_path}: not a mapping of tokens to ids")
     entries = [(i, tok, TokenType.NORMAL) for tok, i in vocab.items()]
-    for i, entry in added.items():
-        content = entry["content"]
-        special = entry.get("special") or (content.startswith("<|") and content.endswith("|>"))
-        entries.append((int(i), content, TokenType.CONTROL if special else TokenType.USER_DEFINED))
+    try:
+        for i, entry in ckpt.tokenizer_config.get("added_tokens_decoder", {}).items():
+            content = entry["content"]
+            special = entry.get("special") or (content.startswith("<|") and content.endswith("|>"))
+            entries.append((int(i), content, TokenType.CONTROL if special else TokenType.USER_DEFINED))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ModelFileError(f"{ckpt.tokenizer_config.path}: bad added_tokens_decoder ({e!r})") from None
     for i, tok, typ in entries:
         if not 0 <= i < n:
             raise ModelFileError(f"{vocab_path}: token id {i} ({tok!r}) outside the text vocabulary of {n}")
@@ -460,7 +477,7 @@ def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
         ids = {f"<|{prefix}|>": val} if isinstance(val, int) else (
             {f"<|{prefix}_{k}|>": v for k, v in val.items()} if isinstance(val, dict) else {})
         for name, i in ids.items():
-            if not 0 <= i < n:
+            if not isinstance(i, int) or not 0 <= i < n:
                 raise ModelFileError(f"{ckpt.config.path}: talker_config.{key} id {i} is outside the codec vocabulary")
             names[i] = name
     return names
@@ -470,7 +487,8 @@ def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
 # Writing
 # ------------------------------------------------------------------------------------------------
 
-def _write_talker(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
+def _talker_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
+    """The talker's metadata in a writer, and its tensors."""
     t = ckpt.talker
     tensors = _talker_tensors(ckpt)
     w = gguf.GGUFWriter(None, L.TALKER_ARCH)
@@ -500,7 +518,7 @@ def _write_talker(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
     # the talker may only emit codes 0..2047 or the codec EOS
     w.add_array(L.KEY_SUPPRESS_TOKENS, [i for i in range(n_vocab - 1024, n_vocab) if i != eos])
     w.add_uint32(L.KEY_EOS_TOKEN_ID, eos)
-    w.add_bool(L.KEY_ADD_BOS, bool(_Json(ckpt.dir / "tokenizer_config.json").get("add_bos_token", False)))
+    w.add_bool(L.KEY_ADD_BOS, bool(ckpt.tokenizer_config.get("add_bos_token", False)))
     w.add_bool(L.KEY_ADD_EOS, False)
 
     w.add_string(L.KEY_TTS_MODEL_TYPE, ckpt.kind)
@@ -512,10 +530,11 @@ def _write_talker(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
         value = ckpt.generation.get(_GENERATION_SOURCE.get(key, key))
         if value is not None:
             _add_typed(w, L.KEY_GENERATION_PREFIX + key, typ(value))
-    _write_file(w, path, tensors, out_type)
+    return w, tensors
 
 
-def _write_mmproj(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
+def _mmproj_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
+    """The mmproj's metadata in a writer, and its tensors."""
     cp, dec = ckpt.code_predictor, ckpt.decoder
     has_spkenc = ckpt.kind == "base"
     tensors = _code_predictor_tensors(ckpt) + _codec_tensors(ckpt)
@@ -555,7 +574,7 @@ def _write_mmproj(ckpt: _Checkpoint, path: Path, out_type: str) -> None:
     w.add_float32(L.KEY_CP_ROPE_THETA, cp["rope_theta"])
     w.add_uint32(L.KEY_CP_VOCAB_SIZE, cp["vocab_size"])
     w.add_uint32(L.KEY_CP_NUM_CODE_GROUPS, cp["num_code_groups"])
-    _write_file(w, path, tensors, out_type)
+    return w, tensors
 
 
 def _add_general(w: gguf.GGUFWriter, ckpt: _Checkpoint, file_kind: str, out_type: str,
@@ -599,34 +618,30 @@ def _encode(a: np.ndarray, qtype: QType) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
 
 
-def _write_file(w: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], out_type: str) -> None:
+def _write_file(w: gguf.GGUFWriter, tensors: list[_Tensor], path: Path, out_type: str) -> None:
     """Header, metadata and tensor infos through GGUFWriter, then the data tensor by tensor,
-    chunk by chunk, into `<path>.part`, renamed when complete."""
+    chunk by chunk."""
     types = [_ggml_type(t, out_type) for t in tensors]
     for t, qtype in zip(tensors, types):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), math.prod(t.shape) // block * size, qtype)
-    part = path.with_name(path.name + ".part")
     progress = sys.stderr.isatty()
     try:
-        w.write_header_to_file(part)
+        w.write_header_to_file(path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         fout = w.fout[0]
         w.write_padding(fout, fout.tell())
         for i, (t, qtype) in enumerate(zip(tensors, types)):
             if progress:
-                print(f"\r{path.name}: tensor {i + 1}/{len(tensors)}", end="", file=sys.stderr, flush=True)
+                print(f"\r{path.stem}: tensor {i + 1}/{len(tensors)}", end="", file=sys.stderr, flush=True)
             n = 0
             for chunk in t.chunks():
                 data = _encode(chunk, qtype)
                 data.tofile(fout)
                 n += data.nbytes
             w.write_padding(fout, n)
-        w.close()
-        part.replace(path)
     finally:
         w.close()
-        part.unlink(missing_ok=True)
         if progress:
             print(file=sys.stderr)

@@ -110,7 +110,8 @@ class GGUFFile:
         return GGMLQuantizationType(ggml.gguf_get_tensor_type(self._ctx, self._tensor_id(name)))
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        """Shape in numpy order (GGUF stores ne[0] = the innermost, contiguous axis)."""
+        """Shape in numpy order (GGUF stores ne[0] = the innermost, contiguous axis). Like
+        ggml_n_dims, leading size-1 axes are dropped: a [1, 96, 7] kernel reads as (96, 7)."""
         tid = self._tensor_id(name)
         ne = ggml.gguf_get_tensor_ne(self._ctx, tid)
         dims = [ne[i] for i in range(4)]

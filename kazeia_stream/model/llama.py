@@ -11,10 +11,13 @@ import llama_cpp
 
 from ..errors import ModelFileError
 
+# llama.cpp's log goes to this logger; the NullHandler keeps it silent unless the application
+# configures logging (the CLI shows it with -vv).
 log = logging.getLogger("llama.cpp")
+log.addHandler(logging.NullHandler())
 
-_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.WARNING, 3: logging.ERROR,
-           4: logging.DEBUG, 5: logging.DEBUG}
+# enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT (continues the previous line)
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
 
 @llama_cpp.llama_log_callback

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,8 +15,11 @@ from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
-from .prompt import assistant_text, build_prompt, instruct_text
+from .prompt import Prompt, assistant_text, build_prompt, instruct_text
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ..engine.synthesis import Engines
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,11 @@ class Model:
                                                self.tokenizer.special_id)
         self._rows = _TalkerRows(self.talker_file, self.config.talker.text_vocab_size)
 
+    @cached_property
+    def pad_embedding(self) -> np.ndarray:
+        """The text-side row added to each frame's input once the text is used up."""
+        return self._rows.text([self.config.text_ids.tts_pad])[0]
+
     @property
     def kind(self) -> str:
         """custom_voice, base or voice_design."""
@@ -101,6 +111,13 @@ class Model:
         With `text_streaming` only the first text token is in the prefill and one more text
         embedding joins each generated frame; without it the whole text is in the prefill.
         """
+        prompt = self.prompt(text, voice=voice, language=language, instruct=instruct,
+                             text_streaming=text_streaming)
+        return prompt.prefill, prompt.trailing
+
+    def prompt(self, text: str, *, voice: str | None = None, language: str = "auto",
+               instruct: str | None = None, text_streaming: bool = True) -> Prompt:
+        """`prefill`'s arrays with the number of text tokens they hold."""
         if not text or not text.strip():
             raise UsageError("the text is empty")
         speaker = self._resolve_voice(voice)
@@ -108,9 +125,30 @@ class Model:
         instruct_ids = self._instruct_ids(instruct)
         template = self._encode(assistant_text(text))
         spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
-        return build_prompt(self._rows, self.config.text_ids, self.config.codec_ids, template,
-                            instruct_ids=instruct_ids, language_id=language_id, speaker=spk_row,
-                            text_streaming=text_streaming)
+        prefill, trailing = build_prompt(
+            self._rows, self.config.text_ids, self.config.codec_ids, template,
+            instruct_ids=instruct_ids, language_id=language_id, speaker=spk_row,
+            text_streaming=text_streaming)
+        return Prompt(prefill, trailing, n_text_tokens=len(template) - 8)
+
+    def synthesize(self, text: str, *, voice: str | None = None, language: str = "auto",
+                   instruct: str | None = None, seed: int | None = None,
+                   text_streaming: bool = False, **options) -> tuple[np.ndarray, int]:
+        """Speak `text` offline: (float32 samples, sample rate). Stops at EOS or at a cap derived
+        from the text length. `options` are `GenerationOptions` fields (temperature, top_k...);
+        like the official API, the whole text is in the prefill unless `text_streaming`."""
+        from ..engine.synthesis import synthesize
+
+        prompt = self.prompt(text, voice=voice, language=language, instruct=instruct,
+                             text_streaming=text_streaming)
+        return synthesize(self, prompt, seed=seed, **options), self.sample_rate
+
+    @cached_property
+    def engines(self) -> Engines:
+        """The talker, code predictor and codec decoder, created on first use and reused."""
+        from ..engine.synthesis import Engines
+
+        return Engines(self)
 
     def _encode(self, text: str) -> list[int]:
         """Tokens of a template string; text ids beyond the text vocabulary would be codec rows."""

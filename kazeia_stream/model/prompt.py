@@ -22,6 +22,15 @@ class Embeddings(Protocol):
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """What the talker starts from: prefill rows, trailing text rows, and the text's length."""
+
+    prefill: np.ndarray
+    trailing: np.ndarray
+    n_text_tokens: int
+
+
+@dataclass(frozen=True)
 class CodecIds:
     """The control rows of the codec vocabulary that frame a prompt."""
 
