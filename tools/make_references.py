@@ -445,9 +445,10 @@ def main(argv: list[str] | None = None) -> int:
             ck = Checkpoint(kind, Path(tmp))
             print(f"{kind}: seed {ck.seed}, layout checked against the official modules "
                   f"({time.perf_counter() - start:.1f} s)")
-            if kind == "base":
-                continue  # loading it is the check; no references from it yet
             rng = np.random.default_rng(1000 + ck.seed)
+            if kind == "base":
+                save(args.out, f"convert_{kind}.npz", convert_refs(ck, rng))
+                continue
             save(args.out, f"prompts_{kind}.npz", prompt_refs(ck))
             save(args.out, f"talker_{kind}.npz", talker_refs(ck, rng))
             save(args.out, f"convert_{kind}.npz", convert_refs(ck, rng))
