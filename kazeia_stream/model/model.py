@@ -16,6 +16,8 @@ from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .prompt import Prompt, assistant_text, build_prompt, instruct_text
+from .text_stream import PREFIX as ROLE_TEXT
+from .text_stream import TextTokens
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -120,16 +122,39 @@ class Model:
         """`prefill`'s arrays with the number of text tokens they hold."""
         if not text or not text.strip():
             raise UsageError("the text is empty")
+        template = self._encode(assistant_text(text))
+        return self.prompt_from_tokens(template[3:-5], voice=voice, language=language,
+                                       instruct=instruct, text_streaming=text_streaming,
+                                       role_ids=template[:3])
+
+    def prompt_from_tokens(self, body_ids: list[int], *, voice: str | None = None,
+                           language: str = "auto", instruct: str | None = None,
+                           text_streaming: bool = True, text_complete: bool = True,
+                           role_ids: list[int] | None = None) -> Prompt:
+        """The prompt for text already tokenized (streaming text: only its first tokens)."""
         speaker = self._resolve_voice(voice)
         language_id = self._resolve_language(language, speaker)
         instruct_ids = self._instruct_ids(instruct)
-        template = self._encode(assistant_text(text))
+        role_ids = role_ids or self._encode(ROLE_TEXT)
         spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
         prefill, trailing = build_prompt(
-            self._rows, self.config.text_ids, self.config.codec_ids, template,
+            self._rows, self.config.text_ids, self.config.codec_ids, role_ids, body_ids,
             instruct_ids=instruct_ids, language_id=language_id, speaker=spk_row,
-            text_streaming=text_streaming)
-        return Prompt(prefill, trailing, n_text_tokens=len(template) - 8)
+            text_streaming=text_streaming, text_complete=text_complete)
+        return Prompt(prefill, trailing, n_text_tokens=len(body_ids))
+
+    def text_embeddings(self, ids: list[int]) -> np.ndarray:
+        """Rows T(id) of text tokens [n, H], as trailing text."""
+        return self._rows.text(ids)
+
+    @cached_property
+    def eos_embedding(self) -> np.ndarray:
+        """The trailing row that tells the talker the text has ended."""
+        return self._rows.text([self.config.text_ids.tts_eos])[0]
+
+    def text_tokens(self) -> TextTokens:
+        """An incremental tokenizer for text arriving in pieces."""
+        return TextTokens(self._encode)
 
     def synthesize(self, text: str, *, voice: str | None = None, language: str = "auto",
                    instruct: str | None = None, seed: int | None = None,
@@ -152,6 +177,10 @@ class Model:
 
     def _encode(self, text: str) -> list[int]:
         """Tokens of a template string; text ids beyond the text vocabulary would be codec rows."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("the text is not valid UTF-8") from None
         ids = self.tokenizer.encode(text)
         if max(ids) >= self.config.talker.text_vocab_size:
             raise UsageError("the text contains a codec control token such as <|codec_0|>")

@@ -68,21 +68,26 @@ def build_prompt(
     emb: Embeddings,
     text_ids: TextIds,
     codec_ids: CodecIds,
-    template_ids: list[int],
+    role_ids: list[int],
+    body_ids: list[int],
     *,
     instruct_ids: list[int] | None,
     language_id: int | None,
     speaker: np.ndarray | None,
     text_streaming: bool,
+    text_complete: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Return (prefill [T, H], trailing [N, H]) for the tokens of `assistant_text(text)`.
+    """Return (prefill [T, H], trailing [N, H]).
 
-    `template_ids` keeps the 3 role tokens in front and the 5 closing tokens at the end, as the
-    official code slices them; `speaker` is a codec row (CustomVoice) or an x-vector (Base).
+    `role_ids` are the 3 tokens of "<|im_start|>assistant\n" and `body_ids` the text's tokens,
+    as the official code slices the tokens of `assistant_text(text)`; `speaker` is a codec row
+    (CustomVoice) or an x-vector (Base). With `text_complete=False` (streaming text still
+    arriving) the trailing rows stop short of the closing EOS row.
     """
-    body = template_ids[3:-5]
-    if not body:
+    if not body_ids:
         raise ValueError("the text has no tokens to speak")
+    if not (text_streaming or text_complete):
+        raise ValueError("the whole text must be known when it all goes in the prefill")
     pad, bos, eos = emb.text([text_ids.tts_pad, text_ids.tts_bos, text_ids.tts_eos])
 
     if language_id is None:
@@ -101,12 +106,12 @@ def build_prompt(
     parts = []
     if instruct_ids:
         parts.append(emb.text(instruct_ids))
-    parts += [emb.text(template_ids[:3]), control]
+    parts += [emb.text(role_ids), control]
 
-    body_rows = emb.text(body)
+    body_rows = emb.text(body_ids)
     if text_streaming:
         parts.append(body_rows[:1] + codec_rows[-1:])
-        trailing = np.concatenate([body_rows[1:], eos[None]])
+        trailing = np.concatenate([body_rows[1:], eos[None]] if text_complete else [body_rows[1:]])
     else:
         codec_pad = emb.codec([codec_ids.pad])
         parts.append(np.concatenate([body_rows, eos[None]]) + codec_pad)

@@ -1,0 +1,46 @@
+"""Text arriving in pieces gives exactly the tokens of the whole text, released early."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kazeia_stream
+from kazeia_stream.model.prompt import assistant_text
+
+TEXTS = [
+    "Hello, world. This is a test of streaming text, token by token!",
+    "On 2024-03-15 at 3:45 p.m., Dr. Müller paid $1,234.56 for a café crème.",
+    "你好，世界！今天天气很好。我们去公园吧。",
+    "Line one.\nLine two,  with  double spaces\tand a tab... done?",
+]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf) -> kazeia_stream.Model:
+    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_pieces_give_the_tokens_of_the_whole_text(model, text, piece):
+    stream = model.text_tokens()
+    released, early = [], 0
+    for i in range(0, len(text), piece):
+        released += stream.feed(text[i:i + piece])
+        if i + piece < len(text):
+            early = len(released)
+    released += stream.finish()
+    assert released == model._encode(assistant_text(text))[3:-5]
+    # Most tokens are released before the text is complete.
+    assert early >= len(released) // 2
+
+
+def test_streaming_prompt_equals_the_whole_text_prompt(model):
+    text = TEXTS[0]
+    whole = model.prompt(text, voice="ryan", language="english")
+    ids = model._encode(assistant_text(text))[3:-5]
+    first = model.prompt_from_tokens(ids[:1], voice="ryan", language="english", text_complete=False)
+    rows = np.concatenate([first.trailing, model.text_embeddings(ids[1:]), model.eos_embedding[None]])
+    assert np.array_equal(first.prefill, whole.prefill)
+    assert np.array_equal(rows, whole.trailing)
