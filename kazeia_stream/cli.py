@@ -6,12 +6,15 @@ Everything but audio goes to stderr; a user error is one line and a non-zero exi
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 
-from .errors import KazeiaError
+from .errors import KazeiaError, UsageError
+from .stages.sinks import FORMATS
 
 log = logging.getLogger("kazeia_stream")
 
@@ -29,10 +32,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _model_path(args: argparse.Namespace) -> str:
-    if not args.model:
-        raise KazeiaError(f"no model given: pass --model PATH or set {MODEL_ENV} "
-                          "(make one offline with `kazeia-stream convert HF_DIR OUT_DIR`)")
-    return args.model
+    """--model, else $KAZEIA_MODEL, else the published default pair (downloaded once)."""
+    if args.model:
+        return args.model
+    from .model.download import fetch_default_model
+
+    return str(fetch_default_model())
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -51,6 +56,73 @@ def cmd_voices(args: argparse.Namespace) -> int:
     print("voices: " + (", ".join(model.voices) or "(none: this model has no built-in speakers)"))
     print("languages: " + ", ".join(model.languages))
     return 0
+
+
+def cmd_speak(args: argparse.Namespace) -> int:
+    import trio
+
+    from . import live
+    from .engine.synthesis import Engines, Threads
+    from .model import load_model
+
+    if args.pipe and (args.text is not None or args.output):
+        raise UsageError("--pipe reads the text from stdin and writes PCM to stdout: no TEXT or -o")
+    if not args.pipe and args.text is None:
+        raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
+    model = load_model(_model_path(args))
+    if args.threads:
+        model.engines = Engines(model, Threads(args.threads, args.threads))
+    session = dict(voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed,
+                   text_streaming=True)
+    if args.pipe:
+        return trio.run(functools.partial(live.pipe, model, args.format, **session))
+    if args.output:
+        return write_file(model, args)
+    return trio.run(functools.partial(live.speak_live, model, args.text, device=_device(args.device),
+                                      **session))
+
+
+def _device(device: str | None) -> str | int | None:
+    return int(device) if device is not None and device.isdigit() else device
+
+
+def write_file(model, args: argparse.Namespace) -> int:
+    """Offline synthesis into a file, frame by frame, with a progress line on a terminal."""
+    from .audio_file import AudioFileWriter
+    from .engine.generator import GenerationOptions
+    from .engine.synthesis import frames
+
+    prompt = model.prompt(args.text, voice=args.voice, language=args.language,
+                          instruct=args.instruct, text_streaming=args.text_streaming)
+    engines = model.engines
+    engines.codec.reset()
+    progress = Progress(model.sample_rate)
+    with AudioFileWriter(args.output, model.sample_rate) as out:
+        for codes in frames(engines, prompt, GenerationOptions(seed=args.seed)):
+            out.write(engines.codec.push(codes[None]))
+            progress.update(out.frames)
+    progress.close(f"wrote {args.output}: {out.frames / model.sample_rate:.2f} s")
+    return 0
+
+
+class Progress:
+    """One self-rewriting status line on a terminal's stderr; nothing in a pipe."""
+
+    def __init__(self, sample_rate: int) -> None:
+        self.sample_rate = sample_rate
+        self.enabled = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, samples: int) -> None:
+        if self.enabled:
+            audio = samples / self.sample_rate
+            rtf = (time.perf_counter() - self.start) / max(audio, 1e-9)
+            print(f"\r{audio:6.2f} s of audio, {rtf:4.2f}x real time ", end="", file=sys.stderr, flush=True)
+
+    def close(self, message: str) -> None:
+        if self.enabled:
+            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+        log.info("%s", message)
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,14 +147,112 @@ def _voices_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def cmd_dump(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .engine.dump import dump
+    from .model import load_model
+
+    model = load_model(_model_path(args))
+    codes = np.load(args.codes)
+    if codes.ndim != 2 or codes.shape[1] != model.config.codec.num_quantizers or len(codes) == 0:
+        raise UsageError(f"{args.codes}: expected integer codes [N, {model.config.codec.num_quantizers}], "
+                         f"got shape {codes.shape}")
+    if args.chunk < 1:
+        raise UsageError("--chunk must be at least 1")
+    prompt = model.prompt(args.text, voice=args.voice, language=args.language,
+                          instruct=args.instruct, text_streaming=args.text_streaming)
+    np.savez(args.out, **dump(model.engines, prompt, codes, args.chunk))
+    return 0
+
+
+def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("dump", help="teacher-forced outputs of every engine, for parity checks",
+                       description="Write prefill, trailing, talker_logits, talker_hidden, cp_logits, "
+                       "audio and audio_streamed for a prompt and a code sequence to an .npz file.")
+    _add_model(p)
+    p.add_argument("--text", required=True)
+    _add_voice(p)
+    p.add_argument("--text-streaming", action=argparse.BooleanOptionalAction, default=True,
+                   help="streaming text feeding (default) or the whole text in the prefill")
+    p.add_argument("--codes", required=True, help=".npy file of integer codes [N, 16]")
+    p.add_argument("--chunk", type=int, default=1, help="frames per decoder push for audio_streamed")
+    p.add_argument("--out", required=True, help="output .npz")
+    p.set_defaults(func=cmd_dump)
+    return p
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import run_bench
+    from .engine.synthesis import Engines, Threads
+    from .model import load_model
+
+    model = load_model(_model_path(args))
+    if args.threads:
+        model.engines = Engines(model, Threads(args.threads, args.threads))
+    result = run_bench(model, args.frames)
+    ms = result["ms_per_frame"]
+    print(f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
+          f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
+          f"per frame: talker {ms['talker']} ms, code predictor {ms['code_predictor']} ms, "
+          f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB",
+          file=sys.stdout if not args.json else sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="time to first audio, real-time factor, per-stage cost")
+    _add_model(p)
+    p.add_argument("--frames", type=int, default=40, help="frames to generate, EOS ignored (default 40)")
+    p.add_argument("--threads", type=int, help="threads for the talker and the code predictor")
+    p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
     "convert": _convert_parser,
     "voices": _voices_parser,
+    "dump": _dump_parser,
+    "bench": _bench_parser,
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kazeia-stream", description="Speak text with Qwen3-TTS, live.")
+def _add_voice(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--voice", help="built-in speaker of a CustomVoice model (see `voices`)")
+    p.add_argument("--language", default="auto", help="language name, or auto (default)")
+    p.add_argument("--instruct", help="a voice instruction (VoiceDesign, 1.7B CustomVoice)")
+
+
+def speak_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kazeia-stream", description="Speak text with Qwen3-TTS, live.",
+        epilog="subcommands: " + ", ".join(SUBCOMMANDS) + " (kazeia-stream SUBCOMMAND -h)")
+    p.add_argument("text", nargs="?", help="the text to speak")
+    p.add_argument("-o", "--output", help="write the audio to this file (.wav, .flac) instead of playing it")
+    p.add_argument("--pipe", action="store_true",
+                   help="read UTF-8 text from stdin (a line is an utterance), write raw PCM to stdout")
+    p.add_argument("--format", choices=FORMATS, default="s16le",
+                   help="--pipe PCM format, 24 kHz mono (default s16le)")
+    p.add_argument("--device", help="audio output device, by index or name (default: the system's)")
+    p.add_argument("--threads", type=int, help="CPU threads for the talker and the code predictor")
+    _add_model(p)
+    _add_voice(p)
+    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same audio")
+    p.add_argument("--text-streaming", action="store_true",
+                   help="with -o: feed the text one token per frame instead of all in the prefill "
+                   "(live modes always stream)")
+    _add_common(p)
+    p.set_defaults(func=cmd_speak)
+    return p
+
+
+def subcommand_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kazeia-stream")
     sub = parser.add_subparsers(dest="command", required=True)
     for make in SUBCOMMANDS.values():
         _add_common(make(sub))
@@ -96,7 +266,9 @@ def _setup_logging(verbose: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = subcommand_parser() if argv and argv[0] in SUBCOMMANDS else speak_parser()
+    args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return args.func(args)

@@ -50,3 +50,44 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory,
         return cache[kind, out_type, seed]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def pulse_null_sink(tmp_path_factory: pytest.TempPathFactory):
+    """A private PulseAudio daemon with a 24 kHz null sink, made ALSA's (hence PortAudio's)
+    default output for this process and its children for the rest of the session; yields a
+    `audio.PulseServer` (tests/audio.py; `.record()` gives a `Recorder` on the sink's monitor,
+    `.subprocess_env()` the environment for child processes). Skips where PulseAudio or
+    PortAudio is not installed (.ci/run installs them)."""
+    import os
+
+    from audio import PULSE_PACKAGES, missing_tools, reinit_portaudio, start_pulse, stop_pulse
+
+    if missing := missing_tools():
+        pytest.skip(f"{', '.join(missing)} not installed (apt-get install {PULSE_PACKAGES})")
+    try:
+        import sounddevice  # noqa: F401  (needs PortAudio)
+    except OSError as e:
+        pytest.skip(f"{e} (apt-get install {PULSE_PACKAGES})")
+    # The daemon's socket lives under it: keep it short (unix socket paths < 108 bytes).
+    root = tmp_path_factory.mktemp("pulse")
+    server = start_pulse(root)
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        reinit_portaudio()  # PortAudio reads ALSA's config (~/.asoundrc) when initialised
+        import sounddevice as sd
+
+        names = [d["name"] for d in sd.query_devices() if d["max_output_channels"] > 0]
+        if "default" not in names and "pulse" not in names:
+            pytest.skip(f"ALSA does not see PulseAudio (outputs: {names}); "
+                        "apt-get install libasound2-plugins")
+        yield server
+    finally:
+        stop_pulse(server)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reinit_portaudio()

@@ -1,0 +1,61 @@
+"""`kazeia-stream bench`: time to first audio, real-time factor and per-stage cost per frame.
+
+Generates exactly N frames (EOS ignored) for a fixed sentence, pushing the decoder one frame at
+a time as a live stream would, and reports figures a user can compare across machines and types.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from .engine.generator import GenerationOptions
+
+if TYPE_CHECKING:
+    from .model import Model
+
+BENCH_TEXT = ("Streaming speech starts before the sentence is finished, so a listener hears the "
+              "first words while the rest is still being written.")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (Linux reports kilobytes, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
+
+def run_bench(model: Model, frames: int, seed: int = 0) -> dict:
+    """Run one utterance of `frames` frames and return the benchmark's figures."""
+    engines = model.engines
+    engines.codec.reset()
+    t_start = time.perf_counter()
+    prompt = model.prompt(BENCH_TEXT, voice=model.default_voice, text_streaming=True)
+    gen = engines.generator(GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True))
+    gen.start(prompt.prefill, prompt.trailing, prompt.n_text_tokens)
+    ttfa = decoder_s = 0.0
+    samples = 0
+    while (codes := gen.next_frame()) is not None:
+        t0 = time.perf_counter()
+        samples += len(engines.codec.push(codes[None]))
+        decoder_s += time.perf_counter() - t0
+        if not ttfa:
+            ttfa = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start
+    n = gen.times.frames
+    audio_s = samples / model.sample_rate
+    return {
+        "frames": n,
+        "audio_s": round(audio_s, 3),
+        "ttfa_s": round(ttfa, 3),
+        "wall_s": round(wall, 3),
+        "rtf": round(wall / audio_s, 3),
+        "ms_per_frame": {
+            "talker": round(1000 * gen.times.talker / max(gen.times.talker_steps, 1), 1),
+            "code_predictor": round(1000 * gen.times.code_predictor / n, 1),
+            "decoder": round(1000 * decoder_s / n, 1),
+        },
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+

@@ -1,0 +1,85 @@
+"""What flows between the actors of a stream, in order, on bounded trio channels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TextTokens:
+    """Token ids of the text to speak, in order, final; `complete` on the last message."""
+
+    ids: list[int]
+    complete: bool
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The 16 codes of one 80 ms frame, numbered from 0 within the utterance."""
+
+    index: int
+    codes: np.ndarray
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """PCM of one or more consecutive frames: float32 mono, `frame_index` is the first frame's."""
+
+    frame_index: int
+    pcm: np.ndarray
+    sample_rate: int
+
+    @property
+    def duration(self) -> float:
+        return len(self.pcm) / self.sample_rate
+
+
+@dataclass
+class StageTrace:
+    """Start and end times (perf_counter seconds) of one stage's work on each frame."""
+
+    spans: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def add(self, index: int, start: float, end: float) -> None:
+        self.spans.append((index, start, end))
+
+    @property
+    def busy(self) -> float:
+        return sum(end - start for _, start, end in self.spans)
+
+
+@dataclass
+class UtteranceMetrics:
+    """Per-utterance figures: time to first audio, real-time factor, stage times and a trace."""
+
+    started: float = 0.0
+    sample_rate: int = 24000
+    samples: int = 0
+    first_audio: float | None = None
+    finished: float | None = None
+    cancelled: bool = False
+    generator: StageTrace = field(default_factory=StageTrace)
+    decoder: StageTrace = field(default_factory=StageTrace)
+
+    @property
+    def frames(self) -> int:
+        return len(self.decoder.spans)
+
+    @property
+    def audio_s(self) -> float:
+        return self.samples / self.sample_rate
+
+    @property
+    def ttfa_s(self) -> float | None:
+        return None if self.first_audio is None else self.first_audio - self.started
+
+    @property
+    def wall_s(self) -> float | None:
+        return None if self.finished is None else self.finished - self.started
+
+    @property
+    def rtf(self) -> float | None:
+        wall = self.wall_s
+        return None if wall is None or not self.audio_s else wall / self.audio_s

@@ -1,0 +1,1 @@
+"""Numerics, synchronous and trio-free: talker, code predictor, codec decoder, sampler."""

@@ -1,0 +1,618 @@
+"""The codec decoder ("code2wav"): 16 codes per 80 ms frame -> 1920 samples of 24 kHz audio.
+
+Exact and streaming. Every stage of Qwen3-TTS-Tokenizer-12Hz's decoder is causal, so a sequence
+decoded in chunks of any sizes gives the samples of the one-shot decode (to float rounding),
+provided each layer keeps its own state between calls (the explicit-state style of Kyutai's
+moshi streaming modules):
+
+- a causal convolution keeps its last (k - 1) * dilation input columns;
+- a transposed convolution (kernel 2 * stride) keeps the (k - stride) output columns that the
+  next input frame overlaps;
+- each transformer layer keeps a ring of K/V slots covering the last (window - 1) positions,
+  and the transformer keeps the absolute RoPE position (positions count from the start of the
+  utterance, as in the official one-shot decode).
+
+One path, `CodecDecoder.push`, serves streaming and one-shot decoding. The official semantics
+kept here: negative codes clamp to 0, the transposed convolutions trim (k - s) samples on the
+right only, the sliding window lets a query at t see keys t - window + 1 .. t, the output is
+clamped to [-1, 1].
+
+Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
+a few sgemms W @ X on numpy's BLAS (weights on the left is the fast orientation for the few
+time columns of the early stages); a convolution tap is a shifted column view of the layer's
+context buffer, which the producer writes into directly. Use ONE BLAS thread
+(OPENBLAS_NUM_THREADS=1 or threadpoolctl): the GEMMs are many and small, and OpenBLAS' second
+thread, when the other core is busy (as it is beside the talker), makes decoding several times
+slower. `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+
+Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
+the tensor shapes, so the tiny test models run through the same code as the real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..model import gguf_layout as L
+from ..model.gguf_file import GGUFFile
+
+# Official decoder_config values, for published files that lack our kazeia.codec.* keys.
+OFFICIAL_HEAD_DIM = 64
+OFFICIAL_RMS_EPS = 1e-5
+OFFICIAL_ROPE_THETA = 10000.0
+OFFICIAL_SLIDING_WINDOW = 72
+LAYER_NORM_EPS = 1e-6  # the ConvNeXt blocks' LayerNorm (hard-coded upstream)
+DILATIONS = (1, 3, 9)  # residual units of each decoder block (hard-coded upstream)
+
+# `push` decodes at most this many frames per pass: the intermediate buffers stay small (a frame
+# is 1920 x 96 floats in the last block) and the result does not depend on it.
+MAX_FRAMES_PER_PASS = 16
+# The decoder blocks run on column pieces of at most this many output values (floats).
+PIECE_ELEMENTS = 1 << 18
+
+F32 = np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Stateless pieces
+# ---------------------------------------------------------------------------------------------
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in float32 to a few ulp: Eigen's rational approximation on [-4, 4] (outside,
+    erf is +-1 in float32). numpy has no erf and scipy is not a dependency."""
+    x = np.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = x2 * F32(-2.72614225801306e-10) + F32(2.77068142495902e-08)
+    for c in (-2.10102402082508e-06, -5.69250639462346e-05, -7.34990630326855e-04,
+              -2.95459980854025e-03, -1.60960333262415e-02):
+        p *= x2
+        p += F32(c)
+    p *= x
+    q = x2 * F32(-1.45660718464996e-05) + F32(-2.13374055278905e-04)
+    for c in (-1.68282697438203e-03, -7.37332916720468e-03, -1.42647390514189e-02):
+        q *= x2
+        q += F32(c)
+    p /= q
+    return p
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """Exact (erf) GELU, in place."""
+    e = _erf(x * F32(0.7071067811865476))
+    e += F32(1.0)
+    x *= F32(0.5)
+    x *= e
+    return x
+
+
+def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """w @ x for x [K, n]; one column goes through gemv, faster than OpenBLAS' sgemm for it."""
+    if x.shape[1] != 1:
+        return np.matmul(w, x, out=out)
+    y = np.dot(w, x[:, 0])[:, None]
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the channels of [C, n]; weight [C, 1]."""
+    var = np.einsum("ij,ij->j", x, x) / F32(x.shape[0])
+    return x * (F32(1.0) / np.sqrt(var + F32(eps))) * weight
+
+
+class SnakeBeta:
+    """y = x + beta * sin(alpha * x)^2 per channel; alpha and beta come folded from the GGUF."""
+
+    def __init__(self, alpha: np.ndarray, beta: np.ndarray) -> None:
+        self.alpha, self.beta = alpha.astype(F32)[:, None], beta.astype(F32)[:, None]
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        t = np.multiply(x, self.alpha)
+        np.sin(t, out=t)
+        np.multiply(t, t, out=t)
+        np.multiply(t, self.beta, out=t)
+        return np.add(x, t, out=out)
+
+
+class Linear:
+    """y = W x + b on [C_in, n]; W [C_out, C_in]."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
+        self.w = np.ascontiguousarray(weight, dtype=F32)
+        self.b = None if bias is None else bias.astype(F32)[:, None]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = _matmul(self.w, x)
+        if self.b is not None:
+            y += self.b
+        return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Stateful convolutions
+# ---------------------------------------------------------------------------------------------
+
+class _ContextBuffer:
+    """The input of a causal convolution, [C, context + n]: `context` columns of left context
+    (the previous inputs; zeros at the start of an utterance), then the n new columns. The
+    producer writes them into `input(n)`; after the layer ran, `advance(n)` keeps the last
+    `context` columns."""
+
+    def __init__(self, context: int, channels: int) -> None:
+        self.context, self.channels = context, channels
+        self.buf = np.zeros((channels, context), F32)
+
+    def reset(self) -> None:
+        self.buf[:, : self.context] = 0
+
+    def input(self, n: int) -> np.ndarray:
+        if self.buf.shape[1] != self.context + n:
+            buf = np.empty((self.channels, self.context + n), F32)
+            buf[:, : self.context] = self.buf[:, : self.context]
+            self.buf = buf
+        return self.buf[:, self.context:]
+
+    def advance(self, n: int) -> None:
+        if self.context:
+            self.buf[:, : self.context] = self.buf[:, n:]  # numpy copes with the overlap
+
+
+class CausalConv:
+    """Causal Conv1d, stride 1, left-padded by (k - 1) * dilation; weight [C_out, C_in, k].
+
+    y = b + sum_j W_j X[:, j * d : j * d + n] over the context buffer: one sgemm per tap on a
+    shifted view of the buffer (BLAS reads it in place), no im2col copy."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
+        _, c_in, k = weight.shape
+        self.k, self.dilation = k, dilation
+        self.taps = np.ascontiguousarray(weight.transpose(2, 0, 1), dtype=F32)  # [k, C_out, C_in]
+        self.bias = bias.astype(F32)[:, None]
+        self.state = _ContextBuffer((k - 1) * dilation, c_in)
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def input(self, n: int) -> np.ndarray:
+        """Where to write the next n input columns before `run(n)`."""
+        return self.state.input(n)
+
+    def run(self, n: int) -> np.ndarray:
+        buf, d = self.state.buf, self.dilation
+        y = _matmul(self.taps[0], buf[:, 0:n])
+        if self.k > 1:
+            t = np.empty_like(y)
+            for j in range(1, self.k):
+                _matmul(self.taps[j], buf[:, j * d: j * d + n], out=t)
+                y += t
+        y += self.bias
+        self.state.advance(n)
+        return y
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.input(x.shape[1])[...] = x
+        return self.run(x.shape[1])
+
+
+class DepthwiseCausalConv:
+    """Causal depthwise Conv1d (groups = channels); weight [C, 1, k]."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
+        c, _, k = weight.shape
+        self.k = k
+        self.taps = np.ascontiguousarray(weight[:, 0, :].T, dtype=F32)[:, :, None]  # [k, C, 1]
+        self.bias = bias.astype(F32)[:, None]
+        self.state = _ContextBuffer(k - 1, c)
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n = x.shape[1]
+        self.state.input(n)[...] = x
+        buf = self.state.buf
+        y = buf[:, 0:n] * self.taps[0]
+        for j in range(1, self.k):
+            y += buf[:, j: j + n] * self.taps[j]
+        y += self.bias
+        self.state.advance(n)
+        return y
+
+
+class CausalTransConv:
+    """ConvTranspose1d(k, stride s) with the (k - s) last samples trimmed on the right, as the
+    official CausalTransConvNet: n input columns give n * s output columns. Weight
+    [C_in, C_out, k].
+
+    One sgemm [k * C_out, C_in] x [C_in, n] gives Z[m, :, t], the contribution of input t to
+    output t * s + m; then an overlap-add: output t * s + m = Z[m, t] (m < s) + Z[s + m, t - 1]
+    (m < k - s). Z[s:, last t] is the state carried into the next call."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, stride: int) -> None:
+        c_in, c_out, k = weight.shape
+        if not stride <= k <= 2 * stride:
+            raise ValueError(f"transposed conv kernel {k} with stride {stride} is not supported")
+        self.k, self.s, self.c_out = k, stride, c_out
+        self.w = np.ascontiguousarray(weight.transpose(2, 1, 0).reshape(k * c_out, c_in), dtype=F32)
+        self.bias = bias.astype(F32)[:, None]
+        self.tail = np.zeros((k - stride, c_out), F32)
+
+    def reset(self) -> None:
+        self.tail[...] = 0
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n, k, s = x.shape[1], self.k, self.s
+        z = _matmul(self.w, x).reshape(k, self.c_out, n)
+        y = np.empty((self.c_out, n, s), F32)
+        for m in range(s):  # one phase at a time: numpy would loop over the short m axis innermost
+            ym = y[:, :, m]  # output columns t * s + m
+            np.add(z[m], self.bias, out=ym)
+            if m < k - s:
+                ym[:, 1:] += z[s + m, :, :-1]
+                ym[:, 0] += self.tail[m]
+        self.tail[...] = z[s:, :, -1]
+        return y.reshape(self.c_out, n * s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+class ConvNeXtBlock:
+    """x + gamma * pw2(gelu(pw1(LayerNorm(dwconv(x)))))."""
+
+    def __init__(self, f: GGUFFile, bid: int) -> None:
+        self.dwconv = DepthwiseCausalConv(*_conv(f, L.WAV_UP_DWCONV.format(bid=bid)))
+        norm_w, norm_b = _pair(f, L.WAV_UP_NORM.format(bid=bid))
+        self.norm_w, self.norm_b = norm_w[:, None], norm_b[:, None]
+        self.pw1 = Linear(*_pair(f, L.WAV_UP_PW1.format(bid=bid)))
+        self.pw2 = Linear(*_pair(f, L.WAV_UP_PW2.format(bid=bid)))
+        self.gamma = _tensor(f, L.WAV_UP_GAMMA.format(bid=bid))[:, None]
+
+    def reset(self) -> None:
+        self.dwconv.reset()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        h = self.dwconv(x)
+        h -= h.mean(axis=0)
+        var = np.einsum("ij,ij->j", h, h) / F32(h.shape[0])
+        h *= F32(1.0) / np.sqrt(var + F32(LAYER_NORM_EPS))
+        h *= self.norm_w
+        h += self.norm_b
+        h = self.pw2(_gelu(self.pw1(h)))
+        h *= self.gamma
+        h += x
+        return h
+
+
+class ResidualUnit:
+    """x + conv2(snake2(conv1(snake1(x)))), conv1 k=7 with a dilation, conv2 k=1."""
+
+    def __init__(self, f: GGUFFile, bid: int, xid: int, dilation: int) -> None:
+        ids = {"bid": bid, "xid": xid}
+        self.act1 = SnakeBeta(*_snake(f, L.WAV_DAC_RES_ACT1.format(**ids)))
+        self.conv1 = CausalConv(*_conv(f, L.WAV_DAC_RES_CONV1.format(**ids)), dilation=dilation)
+        self.act2 = SnakeBeta(*_snake(f, L.WAV_DAC_RES_ACT2.format(**ids)))
+        self.conv2 = CausalConv(*_conv(f, L.WAV_DAC_RES_CONV2.format(**ids)))
+
+    def reset(self) -> None:
+        self.conv1.reset()
+        self.conv2.reset()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n = x.shape[1]
+        self.act1(x, out=self.conv1.input(n))
+        h = self.conv1.run(n)
+        self.act2(h, out=self.conv2.input(n))
+        y = self.conv2.run(n)
+        y += x
+        return y
+
+
+class DecoderBlock:
+    """SnakeBeta, CausalTransConv(k = 2 * rate, stride rate), three residual units."""
+
+    def __init__(self, f: GGUFFile, bid: int) -> None:
+        self.act = SnakeBeta(*_snake(f, L.WAV_DAC_UP_SNAKE.format(bid=bid)))
+        w, b = _pair(f, L.WAV_DAC_UP_CONV.format(bid=bid))
+        w = w.reshape(-1, len(b), w.shape[-1])
+        self.up = CausalTransConv(w, b, stride=w.shape[-1] // 2)
+        self.units = [ResidualUnit(f, bid, xid, d) for xid, d in enumerate(DILATIONS)]
+
+    def reset(self) -> None:
+        self.up.reset()
+        for unit in self.units:
+            unit.reset()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        h = self.up(self.act(x))
+        for unit in self.units:
+            h = unit(h)
+        return h
+
+
+class TransformerLayer:
+    """Pre-norm attention + SiLU-gated MLP, each scaled per channel (LayerScale). Attention has
+    no bias and no q/k norm, NeoX RoPE, and a causal sliding window. Activations [C, n].
+
+    State: a ring of K/V slots (after RoPE); the Transformer tracks which position each slot
+    holds and hands every layer the additive mask (0 or -inf) of the window."""
+
+    def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float, slots: int) -> None:
+        t = lambda name: _tensor(f, name.format(bid=bid))
+        wq, wk, wv = t(L.WAV_TFM_ATTN_Q), t(L.WAV_TFM_ATTN_K), t(L.WAV_TFM_ATTN_V)
+        self.head_dim, self.eps = head_dim, eps
+        self.n_heads, self.n_kv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
+        self.qkv = Linear(np.concatenate([wq, wk, wv]))
+        self.out = Linear(t(L.WAV_TFM_ATTN_OUT))
+        self.gate_up = Linear(np.concatenate([t(L.WAV_TFM_FFN_GATE), t(L.WAV_TFM_FFN_UP)]))
+        self.down = Linear(t(L.WAV_TFM_FFN_DOWN))
+        self.ln1, self.ln2 = t(L.WAV_TFM_ATTN_NORM)[:, None], t(L.WAV_TFM_FFN_NORM)[:, None]
+        self.ls1, self.ls2 = t(L.WAV_TFM_ATTN_SCALE)[:, None], t(L.WAV_TFM_FFN_SCALE)[:, None]
+        self.keys = np.zeros((self.n_kv, head_dim, slots), F32)  # [kv heads, head_dim, slot]
+        self.values = np.zeros((self.n_kv, head_dim, slots), F32)
+
+    def reset(self) -> None:
+        self.keys[...] = 0  # masked anyway until written; zeros keep the products finite
+        self.values[...] = 0
+
+    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, slots: np.ndarray,
+                 mask: np.ndarray) -> np.ndarray:
+        """x [C, n]; cos, sin [head_dim, n]; `slots` [n] where the new K/V go; `mask` [n, slots]."""
+        n, hd, nh, nkv = x.shape[1], self.head_dim, self.n_heads, self.n_kv
+        qkv = self.qkv(_rms_norm(x, self.ln1, self.eps))
+        qk = _rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n), cos, sin)
+        self.keys[:, :, slots] = qk[nh:]
+        self.values[:, :, slots] = qkv[(nh + nkv) * hd:].reshape(nkv, hd, n)
+        # grouped-query attention: the `rep` query heads of a kv head share its keys
+        rep, r = nh // nkv, self.keys.shape[2]
+        q = qk[:nh].reshape(nkv, rep, hd, n).transpose(0, 1, 3, 2).reshape(nkv, rep * n, hd)
+        scores = (q @ self.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
+        scores *= F32(hd ** -0.5)
+        scores += mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        # [nkv, hd, slot] x [nkv, slot, rep * n] -> [nkv, hd, rep, n] -> [nh * hd, n]
+        attn = self.values @ scores.reshape(nkv, rep * n, r).transpose(0, 2, 1)
+        attn = attn.reshape(nkv, hd, rep, n).transpose(0, 2, 1, 3).reshape(nh * hd, n)
+        x = x + self.ls1 * self.out(attn)
+        gu = self.gate_up(_rms_norm(x, self.ln2, self.eps))
+        g, u = gu[: len(gu) // 2], gu[len(gu) // 2:]
+        h = g / (F32(1.0) + np.exp(-g))  # SiLU
+        h *= u
+        x += self.ls2 * self.down(h)
+        return x
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """NeoX ("rotate_half") RoPE on [heads, head_dim, n] with cos, sin [head_dim, n]."""
+    half = x.shape[1] // 2
+    y = x * cos
+    y[:, :half] -= x[:, half:] * sin[:half]
+    y[:, half:] += x[:, :half] * sin[half:]
+    return y
+
+
+class Transformer:
+    """in_proj, the layers, final RMSNorm, out_proj. Holds the absolute RoPE position and the
+    position held by each K/V ring slot (the same in every layer): a pass of n <= `max_step`
+    frames writes slots p % slots, which (slots >= window - 1 + n) never overwrites a key that
+    a query of the pass still sees."""
+
+    def __init__(self, f: GGUFFile, max_step: int = MAX_FRAMES_PER_PASS) -> None:
+        key = lambda name, default: f.get(L.KEY_CODEC_PREFIX + name, default)
+        head_dim = int(key("head_dim", OFFICIAL_HEAD_DIM))
+        self.eps = float(key("rms_norm_eps", OFFICIAL_RMS_EPS))
+        theta = float(key("rope_theta", OFFICIAL_ROPE_THETA))
+        self.window = int(key("sliding_window", OFFICIAL_SLIDING_WINDOW))
+        self.max_step = max_step
+        n_slots = self.window - 1 + max_step
+        self.in_proj = Linear(*_pair(f, L.WAV_TFM_IN_PROJ))
+        self.out_proj = Linear(*_pair(f, L.WAV_TFM_OUT_PROJ))
+        self.norm = _tensor(f, L.WAV_TFM_OUTPUT_NORM)[:, None]
+        self.layers = [TransformerLayer(f, bid, head_dim, self.eps, n_slots)
+                       for bid in range(_count(f, L.WAV_TFM_ATTN_Q))]
+        # as torch: inv_freq = 1 / theta ** (arange(0, d, 2) / d) in float32
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(F32) / F32(head_dim)
+        self.inv_freq = (F32(1.0) / (F32(theta) ** exponents)).astype(F32)
+        self.slot_pos = np.empty(n_slots, np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.pos = 0
+        self.slot_pos[...] = -(1 << 40)  # empty: outside every window
+        for layer in self.layers:
+            layer.reset()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[1] > self.max_step:
+            return np.concatenate([self(x[:, i: i + self.max_step])
+                                   for i in range(0, x.shape[1], self.max_step)], axis=1)
+        n = x.shape[1]
+        pos = np.arange(self.pos, self.pos + n)
+        self.pos += n
+        freqs = self.inv_freq[:, None] * pos.astype(F32)[None, :]
+        emb = np.concatenate([freqs, freqs], axis=0)  # [head_dim, n]
+        cos, sin = np.cos(emb), np.sin(emb)
+        slots = pos % len(self.slot_pos)
+        self.slot_pos[slots] = pos
+        lag = pos[:, None] - self.slot_pos[None, :]  # query position - key position
+        mask = np.where((lag >= 0) & (lag < self.window), F32(0), F32(-np.inf)).astype(F32)
+        h = self.in_proj(x)
+        for layer in self.layers:
+            h = layer(h, cos, sin, slots, mask)
+        return self.out_proj(_rms_norm(h, self.norm, self.eps))
+
+
+class Quantizer:
+    """Split RVQ decode: codebook 0 and codebooks 1.. are each summed, projected (1x1 conv, no
+    bias) and added. The GGUF codebooks are already divided by their cluster usage."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        self.first_cb = _tensor(f, L.WAV_QUANT_FIRST_CB)  # [size, dim]
+        size, dim = self.first_cb.shape
+        self.rest_cb = _tensor(f, L.WAV_QUANT_REST_CB).reshape(-1, size, dim)  # [groups - 1, size, dim]
+        self.first_out = Linear(_tensor(f, L.WAV_QUANT_FIRST_OUT).reshape(-1, dim))
+        self.rest_out = Linear(_tensor(f, L.WAV_QUANT_REST_OUT).reshape(-1, dim))
+        self.num_groups = 1 + len(self.rest_cb)
+        self.codebook_size = size
+
+    def __call__(self, codes: np.ndarray) -> np.ndarray:
+        """codes [n, groups] -> [C, n]."""
+        codes = np.clip(codes, 0, None)  # the official decode clamps negative (padding) codes to 0
+        rest = self.rest_cb[0, codes[:, 1]].copy()
+        for i in range(2, self.num_groups):
+            rest += self.rest_cb[i - 1, codes[:, i]]
+        y = self.first_out(self.first_cb[codes[:, 0]].T)
+        y += self.rest_out(rest.T)
+        return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder
+# ---------------------------------------------------------------------------------------------
+
+class CodecDecoder:
+    """codes [n, 16] -> float32 audio [n * samples_per_frame], streaming with explicit state.
+
+    `push(codes)` continues the current utterance, `reset()` starts a new one, `decode(codes)` is
+    a one-shot reset + push. Chunks of any sizes give the samples of the one-shot decode."""
+
+    def __init__(self, mmproj: GGUFFile) -> None:
+        f = mmproj
+        self.quantizer = Quantizer(f)
+        self.pre_conv = CausalConv(*_conv(f, L.WAV_PRE_CONV))
+        self.transformer = Transformer(f)
+        self.upsample: list[tuple[CausalTransConv, ConvNeXtBlock]] = []
+        for bid in range(_count(f, L.WAV_UP_CONV)):
+            w, b = _pair(f, L.WAV_UP_CONV.format(bid=bid))
+            w = w.reshape(-1, len(b), w.shape[-1])
+            self.upsample.append((CausalTransConv(w, b, stride=w.shape[-1]), ConvNeXtBlock(f, bid)))
+        self.entry = CausalConv(*_conv(f, L.WAV_DAC_ENTRY))
+        self.blocks = [DecoderBlock(f, bid) for bid in range(_count(f, L.WAV_DAC_UP_CONV))]
+        self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
+        self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
+        self.num_groups = self.quantizer.num_groups
+        self.samples_per_frame = int(np.prod([up.s for up, _ in self.upsample])
+                                     * np.prod([blk.up.s for blk in self.blocks]))
+
+    def reset(self) -> None:
+        """Start a new utterance: zero every state, RoPE position 0."""
+        self.pre_conv.reset()
+        self.transformer.reset()
+        for up, block in self.upsample:
+            up.reset()
+            block.reset()
+        self.entry.reset()
+        for block in self.blocks:
+            block.reset()
+        self.post_conv.reset()
+
+    def push(self, codes: np.ndarray) -> np.ndarray:
+        """Decode the next frames of the utterance: codes [n, groups] -> audio [n * spf]."""
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape[1] != self.num_groups:
+            raise ValueError(f"codes must be [n, {self.num_groups}], got {codes.shape}")
+        if codes.size and codes.max() >= self.quantizer.codebook_size:
+            raise ValueError(f"codes must be < {self.quantizer.codebook_size}, got {codes.max()}")
+        out = np.empty(len(codes) * self.samples_per_frame, F32)
+        done = 0
+        for i in range(0, len(codes), MAX_FRAMES_PER_PASS):
+            for piece in self._forward(codes[i: i + MAX_FRAMES_PER_PASS].astype(np.int64)):
+                out[done: done + len(piece)] = piece
+                done += len(piece)
+        return out
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """One-shot: a fresh utterance decoded whole."""
+        self.reset()
+        return self.push(codes)
+
+    def _forward(self, codes: np.ndarray) -> Iterator[np.ndarray]:
+        """The audio of the next frames, in consecutive pieces. Up to the first decoder block a
+        pass runs whole (the weights are large, the activations small); from there on in
+        pieces of at most PIECE_ELEMENTS output values per block, so that the activations stay
+        in the L2 cache. Every layer streams, so any split gives the same samples."""
+        h = self.pre_conv(self.quantizer(codes))
+        h = self.transformer(h)
+        for up, block in self.upsample:
+            h = block(up(h))
+        pieces = [self.entry(h)]
+        for block in self.blocks:
+            step = max(1, PIECE_ELEMENTS // (block.up.c_out * block.up.s))
+            pieces = [block(p[:, i: i + step]) for p in pieces for i in range(0, p.shape[1], step)]
+        for h in pieces:
+            n = h.shape[1]
+            self.post_act(h, out=self.post_conv.input(n))
+            yield np.clip(self.post_conv.run(n).reshape(-1), -1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the weights
+# ---------------------------------------------------------------------------------------------
+
+def _tensor(f: GGUFFile, name: str) -> np.ndarray:
+    """A float32 copy in memory the process owns: a memory-mapped page-cache view is slower to
+    stream through (4 KiB pages, and pages the kernel may drop), numpy gives large arrays huge
+    pages."""
+    return np.array(f.tensor(name), dtype=F32)
+
+
+def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    return _tensor(f, prefix + ".weight"), _tensor(f, prefix + ".bias")
+
+
+def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """A Conv1d kernel [C_out, C_in, k] and its bias; C_out from the bias, since the GGUF shape
+    drops a leading 1 (the last conv's C_out)."""
+    w, b = _pair(f, prefix)
+    return w.reshape(len(b), -1, w.shape[-1]), b
+
+
+def _snake(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    return _tensor(f, prefix + ".alpha"), _tensor(f, prefix + ".beta")
+
+
+def _count(f: GGUFFile, pattern: str) -> int:
+    n = 0
+    while f.has_tensor(pattern.format(bid=n) + ".weight") or f.has_tensor(pattern.format(bid=n)):
+        n += 1
+    return n
+
+
+def _bench(argv: list[str] | None = None) -> None:
+    """`python -m kazeia_stream.engine.codec MMPROJ [FRAMES_PER_PUSH ...]`: ms per frame while
+    streaming (threads: OPENBLAS_NUM_THREADS). CPU time is what the process used; with other
+    processes on the machine, wall time is the larger."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description=_bench.__doc__)
+    ap.add_argument("mmproj")
+    ap.add_argument("per_push", nargs="*", type=int, default=[1, 4, 12])
+    ap.add_argument("--frames", type=int, default=48, help="frames decoded per measurement")
+    ap.add_argument("--repeat", type=int, default=3, help="measurements; the best is shown")
+    args = ap.parse_args(argv)
+    dec = CodecDecoder(GGUFFile(args.mmproj))
+    codes = np.random.default_rng(0).integers(0, dec.quantizer.codebook_size, (args.frames, dec.num_groups))
+    for per in args.per_push:
+        dec.decode(codes[:per])  # warm up
+        walls, cpus = [], []
+        for _ in range(args.repeat):
+            dec.reset()
+            wall, cpu = time.perf_counter(), time.process_time()
+            for i in range(0, args.frames, per):
+                dec.push(codes[i: i + per])
+            walls.append((time.perf_counter() - wall) / args.frames * 1e3)
+            cpus.append((time.process_time() - cpu) / args.frames * 1e3)
+        print(f"{per:3d} frames per push: {min(walls):6.1f} ms/frame wall (best of {args.repeat}; "
+              f"mean {np.mean(walls):.1f}), {min(cpus):6.1f} ms/frame cpu", flush=True)
+
+
+if __name__ == "__main__":
+    _bench()

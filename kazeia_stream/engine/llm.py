@@ -1,0 +1,118 @@
+"""A libllama context driven by input embeddings, for the talker and the code predictor.
+
+One `llama_decode` gives both the final-norm hidden state (context `embeddings=True`, pooling
+none) and the logits of each requested position. The batch points straight at numpy buffers, with
+as many position rows per token as the architecture wants (4 for the talker's M-RoPE).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+
+
+@dataclass(frozen=True)
+class LMOptions:
+    """Context settings. An F32 KV cache keeps the hidden states within ~1e-6 of a float32
+    reference; F16 halves its memory."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    threads: int = 2
+    kv_f32: bool = True
+
+
+class EmbeddingLM:
+    """Feeds embedding rows at consecutive positions and returns hidden states and logits."""
+
+    def __init__(self, model: llama_cpp.llama_model_p, n_embd: int, n_logits: int,
+                 n_pos_per_token: int, options: LMOptions = LMOptions()) -> None:
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = options.n_ctx
+        p.n_batch = p.n_ubatch = options.n_batch
+        p.n_seq_max = 1
+        p.n_threads = p.n_threads_batch = options.threads
+        p.embeddings = True
+        p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = GGML_TYPE_F32 if options.kv_f32 else GGML_TYPE_F16
+        p.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(model, p)
+        if not self.ctx:
+            raise RuntimeError("libllama could not create a context")
+        self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
+        self.n_ctx, self.n_batch = options.n_ctx, options.n_batch
+        self._n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        self.pos = 0
+        self._seq = (ctypes.c_int32 * 1)(0)
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    __del__ = close
+
+    def set_threads(self, threads: int) -> None:
+        llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
+
+    def reset(self) -> None:
+        """Forget the KV cache: the next call starts a new sequence at position 0."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        self.pos = 0
+
+    def forward(self, embeds: np.ndarray, outputs: str = "last") -> tuple[np.ndarray, np.ndarray]:
+        """Run rows `embeds` [n, H] at the next n positions.
+
+        Returns (hidden, logits) for the last row ([H], [n_logits]) or, with outputs="all",
+        for every row ([n, H], [n, n_logits]). Logits are the last `n_logits` of the vocabulary.
+        """
+        embeds = np.ascontiguousarray(embeds, dtype=np.float32)
+        n = len(embeds)
+        if self.pos + n > self.n_ctx:
+            raise RuntimeError(f"context full: {self.pos} + {n} positions > n_ctx {self.n_ctx}")
+        hidden, logits = [], []
+        for start in range(0, n, self.n_batch):
+            chunk = embeds[start:start + self.n_batch]
+            last_only = outputs == "last"
+            h, lg = self._decode(chunk, last_only)
+            hidden.append(h)
+            logits.append(lg)
+        if outputs == "last":
+            return hidden[-1][-1], logits[-1][-1]
+        return np.concatenate(hidden), np.concatenate(logits)
+
+    def _decode(self, chunk: np.ndarray, last_only: bool) -> tuple[np.ndarray, np.ndarray]:
+        n = len(chunk)
+        pos = np.tile(np.arange(self.pos, self.pos + n, dtype=np.int32), self.n_pos)
+        n_seq = np.ones(n, dtype=np.int32)
+        seq_ids = (ctypes.POINTER(ctypes.c_int32) * n)(*([self._seq] * n))
+        want = np.zeros(n, dtype=np.int8)
+        want[-1 if last_only else slice(None)] = 1
+        batch = llama_cpp.llama_batch(
+            n_tokens=n, token=None,
+            embd=chunk.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos=pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            n_seq_id=n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=seq_ids,
+            logits=want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        rc = llama_cpp.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc})")
+        self.pos += n
+        rows = [n - 1] if last_only else range(n)
+        hidden = np.stack([self._row(llama_cpp.llama_get_embeddings_ith(self.ctx, i), self.n_embd, 0)
+                           for i in rows])
+        logits = np.stack([self._row(llama_cpp.llama_get_logits_ith(self.ctx, i), self._n_vocab,
+                                     self._n_vocab - self.n_logits) for i in rows])
+        return hidden, logits
+
+    @staticmethod
+    def _row(ptr, size: int, start: int) -> np.ndarray:
+        return np.ctypeslib.as_array(ptr, shape=(size,))[start:].copy()

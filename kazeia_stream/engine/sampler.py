@@ -1,0 +1,83 @@
+"""Sampling, as the official code does it through Hugging Face `generate`.
+
+Codebook 0 (talker): repetition penalty over the codes generated so far in the utterance, then
+min_new_tokens (EOS masked early), then suppression of the control rows except EOS, then
+temperature, top-k, top-p and a draw. Codebooks 1..15 (code predictor): temperature, top-k,
+top-p and a draw. Greedy (argmax after the penalties) when sampling is off. Draws use numpy's
+PCG64, so a seed gives the same codes on every machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+
+
+def warp_and_draw(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+    """Temperature, top-k, top-p (Hugging Face's warpers, in that order), then a draw."""
+    if not p.do_sample:
+        return int(np.argmax(logits))
+    scores = logits.astype(np.float64) / p.temperature
+    if 0 < p.top_k < len(scores):
+        kth = np.partition(scores, -p.top_k)[-p.top_k]
+        scores[scores < kth] = -np.inf
+    if p.top_p < 1.0:
+        order = np.argsort(scores)
+        probs = _softmax(scores[order])
+        drop = np.cumsum(probs) <= 1.0 - p.top_p
+        drop[-1] = False
+        scores[order[drop]] = -np.inf
+    probs = _softmax(scores)
+    return int(rng.choice(len(probs), p=probs))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+class CodeSampler:
+    """Draws codebooks 1..15 from the code predictor's logits."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator) -> None:
+        self.params, self.rng = params, rng
+
+    def __call__(self, logits: np.ndarray) -> int:
+        return warp_and_draw(logits, self.params, self.rng)
+
+
+class TalkerSampler:
+    """Draws codebook 0 from the talker's codec logits; holds the utterance's history."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, *, eos: int,
+                 suppress: np.ndarray, repetition_penalty: float = 1.05,
+                 min_new_tokens: int = 2) -> None:
+        self.params, self.rng = params, rng
+        self.eos, self.suppress = eos, suppress
+        self.repetition_penalty, self.min_new_tokens = repetition_penalty, min_new_tokens
+        self.generated: list[int] = []
+
+    def reset(self) -> None:
+        self.generated = []
+
+    def __call__(self, logits: np.ndarray) -> int:
+        scores = logits.astype(np.float32, copy=True)
+        if self.generated and self.repetition_penalty != 1.0:
+            seen = np.unique(self.generated)
+            s = scores[seen]
+            scores[seen] = np.where(s < 0, s * self.repetition_penalty, s / self.repetition_penalty)
+        if len(self.generated) < self.min_new_tokens:
+            scores[self.eos] = -np.inf
+        scores[self.suppress] = -np.inf
+        code = warp_and_draw(scores, self.params, self.rng)
+        self.generated.append(code)
+        return code

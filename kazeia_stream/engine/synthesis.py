@@ -1,0 +1,64 @@
+"""Offline synthesis: the frame loop feeding the codec decoder, one utterance at a time."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .code_predictor import CodePredictor
+from .codec import CodecDecoder
+from .generator import FrameGenerator, GenerationOptions
+from .llm import LMOptions
+from .talker import Talker
+
+if TYPE_CHECKING:
+    from ..model import Model
+    from ..model.prompt import Prompt
+
+
+@dataclass(frozen=True)
+class Threads:
+    """CPU threads per engine. The talker and code predictor alternate, so both can use every
+    core; the codec decoder overlaps with them in the streaming pipeline."""
+
+    talker: int
+    code_predictor: int
+
+    @classmethod
+    def default(cls) -> Threads:
+        n = os.cpu_count() or 1
+        return cls(talker=n, code_predictor=n)
+
+
+class Engines:
+    """The three engines of one model, created once and reused across utterances."""
+
+    def __init__(self, model: Model, threads: Threads | None = None) -> None:
+        threads = threads or Threads.default()
+        self.model = model
+        self.talker = Talker(model, LMOptions(threads=threads.talker))
+        self.code_predictor = CodePredictor(model, threads=threads.code_predictor)
+        self.codec = CodecDecoder(model.mmproj_file)
+
+    def generator(self, options: GenerationOptions) -> FrameGenerator:
+        return FrameGenerator(self.model, self.talker, self.code_predictor, options)
+
+
+def frames(engines: Engines, prompt: Prompt, options: GenerationOptions) -> Iterator[np.ndarray]:
+    """The codes [16] of each frame of one utterance."""
+    gen = engines.generator(options)
+    gen.start(prompt.prefill, prompt.trailing, prompt.n_text_tokens)
+    while (codes := gen.next_frame()) is not None:
+        yield codes
+
+
+def synthesize(model: Model, prompt: Prompt, **options) -> np.ndarray:
+    """All the audio of one utterance, decoded frame by frame as it is generated."""
+    engines = model.engines
+    engines.codec.reset()
+    chunks = [engines.codec.push(codes[None]) for codes in frames(engines, prompt, GenerationOptions(**options))]
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

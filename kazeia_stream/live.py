@@ -1,0 +1,104 @@
+"""The CLI's two live modes: speaking through the sound card, and `--pipe` (text in, PCM out)."""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+
+import trio
+
+from . import stream
+from .errors import UsageError
+from .model import Model
+from .stages.playback import AudioPlayer
+from .stages.sinks import play, write_pcm
+
+log = logging.getLogger(__name__)
+
+SECONDS_PER_TOKEN = 0.3  # a typical speaking pace, for the pre-buffer estimate
+
+
+async def speak_live(model: Model, text: str, *, device: str | int | None, **session) -> int:
+    """Speak `text` through the sound card as soon as audio exists."""
+    expected_s = SECONDS_PER_TOKEN * model.prompt(text, voice=session.get("voice"),
+                                                  language=session.get("language", "auto")).n_text_tokens
+    with AudioPlayer(model.sample_rate, device=device) as player:
+        async with stream.open(model, **session) as tts:
+            utterance = tts.speak(text)
+            await play(utterance, player, expected_s)
+            m = utterance.metrics
+            log.info("first audio after %.3f s, real-time factor %.2f, %d underruns",
+                     m.ttfa_s or 0.0, m.rtf or 0.0, player.underruns)
+    return 0
+
+
+LINE_BUFFER = 16  # lines waiting while the current one is spoken
+PIECE_BUFFER = 1024  # text pieces of one line waiting to be tokenized
+
+
+async def read_lines(fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveChannel[str]]) -> None:
+    """Send each line of UTF-8 text on `fd` as a channel of its pieces, opened as soon as the
+    line starts, so a line is spoken while it is still being written. Invalid UTF-8 is reported
+    on stderr and skipped."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    send: trio.MemorySendChannel[str] | None = None
+    async with lines, trio.lowlevel.FdStream(os.dup(fd)) as source:
+        while data := await source.receive_some(65536):
+            for part in data.splitlines(keepends=True):
+                if send is None:
+                    send, receive = trio.open_memory_channel[str](PIECE_BUFFER)
+                    await lines.send(receive)
+                text = _decode(decoder, part).rstrip("\r\n")
+                if text:
+                    await send.send(text)
+                if part.endswith(b"\n"):
+                    decoder.reset()
+                    await send.aclose()
+                    send = None
+        if send is not None:
+            await send.aclose()
+
+
+def _decode(decoder: codecs.IncrementalDecoder, data: bytes) -> str:
+    """Decode, dropping invalid byte sequences with one message on stderr."""
+    text, bad = "", b""
+    while True:
+        try:
+            text += decoder.decode(data)
+            break
+        except UnicodeDecodeError as e:
+            text += data[:e.start].decode("utf-8", errors="ignore")
+            bad += data[e.start:e.end]
+            data = data[e.end:]
+            decoder.reset()
+    if bad:
+        print(f"kazeia-stream: skipped invalid UTF-8 bytes {bad!r}", file=sys.stderr)
+    return text
+
+
+async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]:
+    async with channel:
+        async for piece in channel:
+            yield piece
+
+
+async def pipe(model: Model, fmt: str, **session) -> int:
+    """Read text from stdin (a line is an utterance) and write raw PCM to stdout, nothing
+    else, flushed per chunk. A closed stdout ends it quietly."""
+    lines_send, lines = trio.open_memory_channel[trio.MemoryReceiveChannel[str]](LINE_BUFFER)
+    out = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
+    async with out, stream.open(model, **session) as tts, trio.open_nursery() as nursery:
+        nursery.start_soon(read_lines, sys.stdin.fileno(), lines_send)
+        async for line in lines:
+            try:
+                await write_pcm(tts.speak(_pieces(line)), out, fmt)
+            except UsageError as e:
+                if "empty" not in str(e):  # blank lines are simply skipped
+                    print(f"kazeia-stream: {e}", file=sys.stderr)
+            except (trio.BrokenResourceError, BrokenPipeError):
+                nursery.cancel_scope.cancel()
+                break
+    return 0

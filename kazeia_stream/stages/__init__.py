@@ -1,0 +1,1 @@
+"""trio actors of a stream, one per stage, and the audio sinks."""

@@ -1,0 +1,55 @@
+"""Generator actor: the talker and the code predictor, one frame per worker-thread call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import trio
+
+from ..channels import Frame, StageTrace, TextTokens
+from ..engine.generator import FrameGenerator
+from ..model import Model
+from ..model.prompt import Prompt
+
+
+async def generate_frames(model: Model, gen: FrameGenerator, make_prompt: Callable[[list[int], bool], Prompt],
+                          text_streaming: bool, tokens: trio.MemoryReceiveChannel[TextTokens],
+                          out: trio.MemorySendChannel[Frame], trace: StageTrace) -> None:
+    """Start the utterance once enough text is known, then send frames until EOS or the cap.
+
+    In streaming mode the talker starts from the first token; when it needs a text row that has
+    not arrived, it waits for the text (padding early would tell the model the text has ended).
+    Without streaming it waits for the whole text, as the official API does.
+    """
+    async with tokens, out:
+        ids: list[int] = []
+        complete = False
+        while not ids or not (complete or text_streaming):
+            msg = await tokens.receive()
+            ids += msg.ids
+            complete = msg.complete
+        prompt = make_prompt(ids, complete)
+        await trio.to_thread.run_sync(gen.start, prompt.prefill, prompt.trailing,
+                                      prompt.n_text_tokens, complete)
+        while True:
+            while not gen.text_complete and (gen.needs_text or _ready(tokens)):
+                _add_text(model, gen, await tokens.receive())
+            start = time.perf_counter()
+            codes = await trio.to_thread.run_sync(gen.next_frame)
+            if codes is None:
+                return
+            trace.add(gen.frame - 1, start, time.perf_counter())
+            await out.send(Frame(gen.frame - 1, codes))
+
+
+def _ready(channel: trio.MemoryReceiveChannel) -> bool:
+    return channel.statistics().current_buffer_used > 0
+
+
+def _add_text(model: Model, gen: FrameGenerator, msg: TextTokens) -> None:
+    rows = model.text_embeddings(msg.ids) if msg.ids else np.zeros((0, len(model.eos_embedding)), np.float32)
+    if msg.complete:
+        rows = np.concatenate([rows, model.eos_embedding[None]])
+    gen.add_text(rows, len(msg.ids), msg.complete)

@@ -1,0 +1,95 @@
+"""The code predictor on libllama against the official implementation's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kazeia_stream
+from kazeia_stream.engine.code_predictor import CodePredictor
+from kazeia_stream.model import gguf_layout as L
+
+REFS = Path(__file__).parent / "data" / "refs"
+KINDS = ("custom_voice", "voice_design")  # voice_design: talker hidden 96 != 64, projection exists
+MAX_ABS = 1e-3
+MIN_ARGMAX = 0.99
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def case(request, tiny_gguf):
+    model = kazeia_stream.load_model(tiny_gguf(request.param)[0])
+    cp = CodePredictor(model, threads=2)
+    yield model, cp, np.load(REFS / f"talker_{request.param}.npz")
+    cp.close()
+
+
+def _check(logits: np.ndarray, ref: np.ndarray) -> None:
+    assert logits.shape == ref.shape
+    assert np.abs(logits - ref).max() <= MAX_ABS
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= MIN_ARGMAX
+
+
+def test_teacher_forced_logits_match_the_official_code(case):
+    _, cp, ref = case
+    logits = np.stack([cp.teacher_forced_logits(h, c) for h, c in zip(ref["talker_hidden"], ref["codes"])])
+    _check(logits, ref["cp_logits"])
+
+
+def test_predict_step_by_step_matches_teacher_forcing(case):
+    model, cp, ref = case
+    f = model.mmproj_file
+    for h, codes, ref_logits in zip(ref["talker_hidden"], ref["codes"], ref["cp_logits"]):
+        seen: list[np.ndarray] = []
+        forced = iter(codes[1:])
+
+        def sample(logits: np.ndarray) -> int:
+            seen.append(logits.copy())
+            return int(next(forced))
+
+        out, embedding = cp.predict(h, int(codes[0]), sample)
+        assert out.tolist() == codes.tolist()
+        steps = np.stack(seen)
+        _check(steps, ref_logits)
+        np.testing.assert_allclose(steps, cp.teacher_forced_logits(h, codes), atol=1e-4)
+        # the talker's next input: its codec_embedding(c0) plus cp.embd[i-1](cb_i), codebook 15 included
+        expected = f.rows(L.CP_OUT_EMBD, [codes[0]])[0].astype(np.float64)
+        table = f.tensor(L.CP_EMBD)
+        expected += sum(table[i - 1, codes[i]].astype(np.float64) for i in range(1, 16))
+        assert embedding.dtype == np.float32 and embedding.shape == (model.config.talker.hidden_size,)
+        np.testing.assert_allclose(embedding, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_predict_is_the_argmax_of_its_own_teacher_forcing(case):
+    _, cp, ref = case
+    # the reference codes were sampled, not greedy: check greedy decoding against itself
+    for h, c0 in zip(ref["talker_hidden"][:4], ref["codes"][:4, 0]):
+        out, _ = cp.predict(h, int(c0), lambda logits: int(np.argmax(logits)))
+        assert out[0] == c0
+        assert out[1:].tolist() == cp.teacher_forced_logits(h, out).argmax(-1).tolist()
+
+
+def test_frames_are_independent_and_threads_can_change(case):
+    _, cp, ref = case
+    h, codes = ref["talker_hidden"][0], ref["codes"][0]
+    first = cp.teacher_forced_logits(h, codes)
+    cp.predict(ref["talker_hidden"][1], int(ref["codes"][1, 0]), lambda logits: int(np.argmax(logits)))
+    cp.set_threads(1)
+    try:
+        again = cp.teacher_forced_logits(h, codes)
+    finally:
+        cp.set_threads(2)
+    np.testing.assert_allclose(again, first, atol=1e-5)
+
+
+def test_f16_and_q8_0_files_load_and_stay_close(tiny_gguf):
+    ref = np.load(REFS / "talker_custom_voice.npz")
+    h, codes = ref["talker_hidden"][0], ref["codes"][0]
+    for out_type, tol in (("f16", 0.05), ("q8_0", 0.1)):
+        model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
+        cp = CodePredictor(model, threads=1)
+        logits = cp.teacher_forced_logits(h, codes)
+        cp.close()
+        scale = np.abs(ref["cp_logits"][0]).max()
+        assert np.abs(logits - ref["cp_logits"][0]).max() <= tol * scale, out_type

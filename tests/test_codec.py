@@ -1,0 +1,105 @@
+"""The codec decoder (code2wav): parity with the official decoder, streaming == one-shot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kazeia_stream.engine.codec import CodecDecoder
+from kazeia_stream.model.gguf_file import GGUFFile
+
+REFS = Path(__file__).parent / "data" / "refs"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    with np.load(REFS / "codec_custom_voice.npz") as f:
+        return {"codes": f["codes"], "audio": f["audio"]}
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_gguf) -> CodecDecoder:
+    _, mmproj = tiny_gguf("custom_voice")
+    return CodecDecoder(GGUFFile(mmproj))
+
+
+@pytest.fixture(scope="module")
+def one_shot(decoder, reference) -> np.ndarray:
+    return decoder.decode(reference["codes"])
+
+
+def test_matches_the_official_decoder(decoder, reference, one_shot):
+    # 80 frames: more than the 72-frame attention window, positions 0..79
+    assert one_shot.dtype == np.float32
+    assert one_shot.shape == (80 * decoder.samples_per_frame,) == reference["audio"].shape
+    assert decoder.samples_per_frame == 1920
+    np.testing.assert_allclose(one_shot, reference["audio"], rtol=0, atol=1e-4)
+
+
+def _chunkings(total: int) -> dict[str, list[int]]:
+    """Fixed chunkings around the 72-frame window, and random ones from a fixed seed."""
+    rng = np.random.default_rng(1234)
+    cases = {
+        "frame-by-frame": [1] * total,
+        "window-crossed-by-single-frames": [71, 1, 1, total - 73],
+        "chunk-ending-on-frame-72": [2, 70, 5, total - 77],
+        "whole": [total],
+    }
+    for high in (4, 16, 40):
+        sizes: list[int] = []
+        while sum(sizes) < total:
+            sizes.append(int(rng.integers(1, high + 1)))
+        sizes[-1] -= sum(sizes) - total
+        cases[f"random-up-to-{high}"] = sizes
+    return cases
+
+
+CHUNKINGS = _chunkings(80)
+
+
+@pytest.mark.parametrize("name", CHUNKINGS)
+def test_streaming_equals_one_shot(decoder, reference, one_shot, name):
+    codes, chunks = reference["codes"], CHUNKINGS[name]
+    assert sum(chunks) == len(codes) and min(chunks) >= 1
+    decoder.reset()
+    parts, start = [], 0
+    for n in chunks:
+        part = decoder.push(codes[start: start + n])
+        assert part.shape == (n * decoder.samples_per_frame,)
+        parts.append(part)
+        start += n
+    np.testing.assert_allclose(np.concatenate(parts), one_shot, rtol=0, atol=1e-5)
+
+
+def test_reset_starts_a_fresh_utterance(decoder, reference, one_shot):
+    codes = reference["codes"]
+    decoder.reset()
+    decoder.push(codes[::-1][:30])  # leave state everywhere: conv tails, K/V, position 30
+    decoder.reset()
+    np.testing.assert_allclose(decoder.push(codes[:40]), one_shot[: 40 * 1920], rtol=0, atol=1e-5)
+    # decode() resets too
+    np.testing.assert_allclose(decoder.decode(codes[:10]), one_shot[: 10 * 1920], rtol=0, atol=1e-5)
+
+
+def test_negative_codes_clamp_to_zero(decoder, reference):
+    codes = reference["codes"][:12].copy()
+    codes[3, :] = -1
+    codes[7, 5] = -100
+    clamped = np.maximum(codes, 0)
+    np.testing.assert_array_equal(decoder.decode(codes), decoder.decode(clamped))
+
+
+def test_output_is_clamped(decoder, reference):
+    audio = decoder.decode(reference["codes"][:20])
+    assert np.abs(audio).max() <= 1.0
+
+
+def test_rejects_a_wrong_shape(decoder, reference):
+    with pytest.raises(ValueError, match="codes must be"):
+        decoder.push(reference["codes"][:4, :15])
+    with pytest.raises(ValueError, match="codes must be"):
+        decoder.push(reference["codes"][0])
+    with pytest.raises(ValueError, match="codes must be <"):
+        decoder.push(np.full((2, 16), 2048))

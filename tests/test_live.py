@@ -1,0 +1,69 @@
+"""`kazeia-stream "text"` speaking into a real (null) sound device, recorded from its monitor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import trio
+
+import kazeia_stream
+from audio import align, correlation, gain
+from kazeia_stream.stages.playback import AudioPlayer
+
+TEXT = "Hello there, this is the live playback test."
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_gguf) -> str:
+    return str(tiny_gguf("custom_voice")[0])
+
+
+def test_cli_plays_the_speech_in_real_time(pulse_null_sink, model_path):
+    model = kazeia_stream.load_model(model_path)
+    sent = model.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
+    with pulse_null_sink.record() as rec:
+        start = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "kazeia_stream", TEXT, "--model", model_path,
+                            "--voice", "ryan", "--seed", "5"], capture_output=True, timeout=300,
+                           env=pulse_null_sink.subprocess_env())
+        wall = time.perf_counter() - start
+        time.sleep(0.3)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"" and r.stderr == b""
+    _, played = align(sent, rec.samples())
+    assert correlation(sent, played) > 0.99
+    assert gain(sent, played) == pytest.approx(1.0, abs=0.03)
+    assert wall >= len(sent) / 24000  # it waits until the last sample was heard
+
+
+def test_missing_device_is_a_one_line_error(pulse_null_sink, model_path):
+    r = subprocess.run([sys.executable, "-m", "kazeia_stream", "Hi.", "--model", model_path,
+                        "--device", "no-such-card"], capture_output=True, timeout=120,
+                       env=pulse_null_sink.subprocess_env())
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0 and "no audio output device 'no-such-card'" in err
+    assert len(err.splitlines()) == 1
+
+
+async def test_barge_in_silences_the_sound_card_within_100_ms(pulse_null_sink, model_path):
+    model = kazeia_stream.load_model(model_path)
+    with pulse_null_sink.record() as rec, AudioPlayer(model.sample_rate) as player:
+        async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+            utterance = tts.speak(TEXT)
+            async for chunk in utterance:
+                player.write(chunk.pcm)
+                if player.playing and player.queued_seconds > 0.3:
+                    break
+            await trio.sleep(0.3)
+            t_cancel = time.monotonic()
+            tts.cancel()
+            player.flush()
+            await trio.sleep(0.5)
+        recorded = rec.samples()
+    loud = np.flatnonzero(np.abs(recorded) > 1e-3)
+    assert loud.size, "nothing was played before the barge-in"
+    assert rec.wall_time(int(loud[-1])) - t_cancel < 0.1

@@ -1,0 +1,77 @@
+"""`kazeia-stream --pipe` as a real subprocess: text lines in, raw PCM out, nothing else."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kazeia_stream
+from kazeia_stream.stages.sinks import pcm_bytes
+
+LINES = ["Hello there, this is the first line.", "And a second one!"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_gguf) -> str:
+    return str(tiny_gguf("custom_voice")[0])
+
+
+@pytest.fixture(scope="module")
+def expected(model_path) -> list[np.ndarray]:
+    model = kazeia_stream.load_model(model_path)
+    return [model.synthesize(line, voice="ryan", seed=9, text_streaming=True)[0] for line in LINES]
+
+
+def pipe(model_path: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kazeia_stream", "--pipe", "--model", model_path,
+            "--voice", "ryan", "--seed", "9", *extra]
+
+
+@pytest.mark.parametrize("fmt", ["s16le", "f32le"])
+def test_lines_in_pcm_out(model_path, expected, fmt):
+    stdin = ("\n".join(LINES) + "\n\n").encode()
+    r = subprocess.run(pipe(model_path, "--format", fmt), input=stdin, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"".join(pcm_bytes(a, fmt) for a in expected)
+    assert r.stderr == b""
+
+
+def test_invalid_utf8_is_reported_and_skipped(model_path, expected):
+    stdin = LINES[0].encode() + b"\n\xff\xfe\n" + LINES[1].encode()  # no final newline either
+    r = subprocess.run(pipe(model_path), input=stdin, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == pcm_bytes(expected[0], "s16le") + pcm_bytes(expected[1], "s16le")
+    assert b"invalid UTF-8" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_a_reader_that_closes_early_ends_it_quietly(model_path):
+    proc = subprocess.Popen(pipe(model_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdin.write(("A long line that would take a while to speak entirely. " * 4 + "\n").encode())
+    proc.stdin.flush()
+    first = proc.stdout.read(1920 * 2)
+    proc.stdout.close()
+    start = time.perf_counter()
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    assert len(first) == 1920 * 2
+    assert proc.stderr.read() == b""
+    assert time.perf_counter() - start < 30
+
+
+def test_pcm_is_flushed_per_chunk_while_the_text_is_still_being_written(model_path):
+    proc = subprocess.Popen(pipe(model_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdin.write(b"Hello there, the line is not finished yet and")
+    proc.stdin.flush()
+    first = proc.stdout.read(1920 * 2)  # audio arrives before the newline
+    assert len(first) == 1920 * 2
+    proc.stdin.write(b" now it is.\n")
+    proc.stdin.close()
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0
+    assert (len(first) + len(rest)) % (1920 * 2) == 0

@@ -1,0 +1,64 @@
+"""The sampling chain of codebook 0 and of the code predictor."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kazeia_stream.engine.sampler import CodeSampler, SamplingParams, TalkerSampler, warp_and_draw
+
+EOS = 2150
+
+
+def _talker(**kw) -> TalkerSampler:
+    params = kw.pop("params", SamplingParams(do_sample=False))
+    suppress = np.array([i for i in range(2048, 3072) if i != EOS])
+    return TalkerSampler(params, np.random.default_rng(0), eos=EOS, suppress=suppress, **kw)
+
+
+def test_greedy_takes_the_argmax_of_allowed_codes():
+    logits = np.zeros(3072, dtype=np.float32)
+    logits[3000] = 9.0  # suppressed control row
+    logits[17] = 5.0
+    assert _talker()(logits) == 17
+
+
+def test_eos_is_masked_until_min_new_tokens():
+    sampler = _talker(min_new_tokens=2)
+    logits = np.zeros(3072, dtype=np.float32)
+    logits[EOS] = 10.0
+    logits[5] = 1.0
+    assert [sampler(logits), sampler(logits), sampler(logits)] == [5, 5, EOS]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_scores():
+    sampler = _talker(repetition_penalty=2.0, min_new_tokens=0)
+    logits = np.full(3072, -100.0, dtype=np.float32)
+    logits[[1, 2]] = [4.0, 3.0]
+    assert sampler(logits) == 1  # history: [1]
+    assert sampler(logits) == 2  # 4 / 2 < 3
+    logits[[1, 2, 3]] = [-1.0, -1.0, -1.5]
+    assert sampler(logits) == 3  # -1 * 2 = -2 for both seen codes, below -1.5
+
+
+def test_top_k_never_draws_outside_the_k_best():
+    logits = np.arange(2048, dtype=np.float32) / 100
+    rng = np.random.default_rng(1)
+    draws = {warp_and_draw(logits, SamplingParams(True, 0.9, 5, 1.0), rng) for _ in range(300)}
+    assert draws == set(range(2043, 2048))
+
+
+def test_top_p_keeps_the_smallest_set_above_p():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(2)
+    draws = {warp_and_draw(logits, SamplingParams(True, 1.0, 0, 0.7), rng) for _ in range(300)}
+    assert draws == {0, 1}
+
+
+def test_draws_follow_the_tempered_distribution_and_the_seed():
+    logits = np.log(np.array([0.6, 0.3, 0.1]))
+    a = CodeSampler(SamplingParams(True, 1.0, 50, 1.0), np.random.default_rng(7))
+    b = CodeSampler(SamplingParams(True, 1.0, 50, 1.0), np.random.default_rng(7))
+    xs = [a(logits) for _ in range(4000)]
+    assert xs == [b(logits) for _ in range(4000)]
+    freq = np.bincount(xs, minlength=3) / len(xs)
+    assert np.allclose(freq, [0.6, 0.3, 0.1], atol=0.03)

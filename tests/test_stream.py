@@ -1,0 +1,117 @@
+"""The actor pipeline: streaming == offline, text pieces, barge-in, backpressure, overlap."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import trio
+
+import kazeia_stream
+from kazeia_stream import UsageError
+from kazeia_stream.stream import AUDIO_BUFFER, FRAME_BUFFER
+
+TEXT = "Hello there, this is a tiny test of the streaming pipeline."
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf) -> kazeia_stream.Model:
+    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+
+
+@pytest.fixture(scope="module")
+def offline(model) -> np.ndarray:
+    return model.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
+
+
+async def llm_tokens(text: str, delay: float):
+    """A simulated LLM: the text in 3-character pieces, one every `delay` seconds."""
+    for i in range(0, len(text), 3):
+        await trio.sleep(delay)
+        yield text[i:i + 3]
+
+
+async def collect(utterance) -> np.ndarray:
+    return np.concatenate([chunk.pcm async for chunk in utterance])
+
+
+async def test_streamed_chunks_equal_the_offline_synthesis(model, offline):
+    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+        utterance = tts.speak(TEXT)
+        chunks = [c async for c in utterance]
+        assert all(c.sample_rate == 24000 for c in chunks)
+        assert [c.frame_index for c in chunks] == sorted({c.frame_index for c in chunks})
+        assert np.array_equal(np.concatenate([c.pcm for c in chunks]), offline)
+        m = utterance.metrics
+        assert m.frames == len(offline) // 1920 and m.audio_s == pytest.approx(len(offline) / 24000)
+        assert 0 < m.ttfa_s < m.wall_s and m.rtf == pytest.approx(m.wall_s / m.audio_s)
+        # Several utterances in a row reuse the engines and give the same audio.
+        assert np.array_equal(await collect(tts.speak(TEXT)), offline)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+async def test_text_pieces_from_an_llm_give_the_same_speech(model, offline, delay):
+    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+        utterance = tts.speak(llm_tokens(TEXT, delay))
+        first = None
+        pcm = []
+        async for chunk in utterance:
+            first = first or time.perf_counter()
+            pcm.append(chunk.pcm)
+        assert np.array_equal(np.concatenate(pcm), offline)
+        if delay:  # speech started long before the text was complete
+            text_done = utterance.metrics.started + delay * len(range(0, len(TEXT), 3))
+            assert first < text_done - 0.5
+
+
+async def test_barge_in_stops_within_100_ms_and_the_session_goes_on(model, offline):
+    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+        utterance = tts.speak(TEXT)
+        got = 0
+        async for _chunk in utterance:
+            got += 1
+            if got == 2:
+                t0 = time.perf_counter()
+                tts.cancel()
+        stopped = time.perf_counter() - t0
+        assert got == 2 and stopped < 0.1 and utterance.metrics.cancelled
+        await utterance.done.wait()
+        assert np.array_equal(await collect(tts.speak(TEXT)), offline)
+
+
+async def test_a_slow_consumer_holds_the_producers_back(model):
+    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+        utterance = tts.speak(TEXT)
+        consumed = 0
+        ahead = []
+        async for chunk in utterance:
+            consumed += len(chunk.pcm) // 1920
+            ahead.append(len(utterance.metrics.generator.spans) - consumed)
+            await trio.sleep(0.02)
+        # Frames generated but not consumed stay within the channel buffers (+ one in flight
+        # in each actor), whatever the consumer's pace.
+        assert max(ahead) <= FRAME_BUFFER + AUDIO_BUFFER + 2
+
+
+async def test_the_decoder_overlaps_the_generator(model):
+    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+        utterance = tts.speak(TEXT)
+        await collect(utterance)
+        gen = utterance.metrics.generator.spans
+        dec = utterance.metrics.decoder.spans
+        overlapping = sum(1 for _, d0, d1 in dec for _, g0, g1 in gen if d0 < g1 and g0 < d1)
+        assert overlapping > 0
+
+
+async def test_errors_surface_in_the_iteration_and_the_session_survives(model, offline):
+    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+        with pytest.raises(UsageError, match="empty"):
+            await collect(tts.speak(llm_tokens("   ", 0)))
+        assert np.array_equal(await collect(tts.speak(TEXT)), offline)
+
+
+async def test_bad_voice_fails_at_open(model):
+    with pytest.raises(UsageError, match="unknown voice"):
+        async with kazeia_stream.open(model, voice="nobody"):
+            pass

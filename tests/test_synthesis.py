@@ -1,0 +1,111 @@
+"""Offline synthesis end to end on the tiny model, through the API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+import kazeia_stream
+from kazeia_stream.engine.generator import frame_cap
+
+REFS = Path(__file__).parent / "data" / "refs"
+TEXT = "Hello there, this is a tiny test."
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf) -> kazeia_stream.Model:
+    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+
+
+def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kazeia_stream", *args], capture_output=True,
+                          timeout=300, **kw)
+
+
+def test_synthesize_is_seeded_and_capped(model):
+    audio, rate = model.synthesize(TEXT, voice="ryan", seed=3)
+    again, _ = model.synthesize(TEXT, voice="ryan", seed=3)
+    other, _ = model.synthesize(TEXT, voice="ryan", seed=4)
+    assert rate == 24000 and audio.dtype == np.float32
+    assert len(audio) % 1920 == 0 and len(audio) > 0
+    n_tokens = model.prompt(TEXT).n_text_tokens
+    assert len(audio) // 1920 <= frame_cap(n_tokens, 8192)
+    assert np.array_equal(audio, again)
+    assert not (len(audio) == len(other) and np.array_equal(audio, other))
+    assert np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 1e-3
+
+
+def test_ignore_eos_gives_exactly_max_frames(model):
+    audio, _ = model.synthesize(TEXT, voice="ryan", seed=0, max_frames=7, ignore_eos=True)
+    assert len(audio) == 7 * 1920
+
+
+def test_cli_writes_a_wav_equal_to_the_api(model, tiny_gguf, tmp_path):
+    out = tmp_path / "out.wav"
+    r = run_cli(TEXT, "-o", str(out), "--model", str(tiny_gguf("custom_voice")[0]),
+                "--voice", "ryan", "--seed", "3")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b""
+    info = sf.info(str(out))
+    assert info.samplerate == 24000 and info.channels == 1 and info.format == "WAV"
+    pcm, _ = sf.read(str(out), dtype="float32")
+    audio, _ = model.synthesize(TEXT, voice="ryan", seed=3)
+    assert len(pcm) == len(audio)
+    assert np.abs(pcm - audio).max() <= 1.5 / 32768  # 16-bit PCM rounding
+
+
+@pytest.mark.parametrize("args, message", [
+    (["   "], "the text is empty"),
+    (["Hi.", "--voice", "nobody"], "unknown voice 'nobody'"),
+    (["Hi.", "--language", "klingon"], "unknown language 'klingon'"),
+])
+def test_cli_bad_input_is_one_line_and_writes_nothing(args, message, tiny_gguf, tmp_path):
+    out = tmp_path / "out.wav"
+    r = run_cli(*args, "-o", str(out), "--model", str(tiny_gguf("custom_voice")[0]))
+    assert r.returncode != 0
+    err = r.stderr.decode().strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_without_a_model_says_how_to_make_one(tmp_path):
+    r = run_cli("Hi.", "-o", str(tmp_path / "x.wav"), env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and b"kazeia-stream convert" in r.stderr
+
+
+def test_dump_matches_the_official_references(tiny_gguf, tmp_path):
+    ref = np.load(REFS / "talker_custom_voice.npz")
+    case = json.loads(str(ref["case_json"]))
+    codes = tmp_path / "codes.npy"
+    np.save(codes, ref["codes"])
+    out = tmp_path / "dump.npz"
+    r = run_cli("dump", "--model", str(tiny_gguf("custom_voice")[0]), "--text", case["text"],
+                "--voice", case["voice"], "--language", case["language"], "--codes", str(codes),
+                "--chunk", "5", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()
+    d = np.load(out)
+    assert sorted(d.files) == sorted(["prefill", "trailing", "talker_logits", "talker_hidden",
+                                      "cp_logits", "audio", "audio_streamed"])
+    assert np.abs(d["prefill"] - ref["prefill"]).max() < 1e-5
+    assert np.abs(d["talker_logits"] - ref["talker_logits"]).max() < 1e-3
+    assert np.abs(d["cp_logits"] - ref["cp_logits"]).max() < 1e-3
+    n = len(ref["codes"])
+    assert d["audio"].shape == d["audio_streamed"].shape == (n * 1920,)
+    assert np.abs(d["audio"] - d["audio_streamed"]).max() <= 1e-5
+
+
+def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
+    r = run_cli("bench", "--model", str(tiny_gguf("custom_voice")[0]), "--frames", "6", "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    result = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert set(result) == {"frames", "audio_s", "ttfa_s", "wall_s", "rtf", "ms_per_frame", "peak_rss_mb"}
+    assert set(result["ms_per_frame"]) == {"talker", "code_predictor", "decoder"}
+    assert result["frames"] == 6 and result["audio_s"] == pytest.approx(6 * 0.08)
+    assert 0 < result["ttfa_s"] < result["wall_s"]
+    assert result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"], rel=0.01)
