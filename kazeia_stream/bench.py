@@ -26,6 +26,47 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
+def _figures(frames: int, audio_s: float, ttfa: float, wall: float, talker_s: float,
+             talker_steps: int, cp_s: float, decoder_s: float) -> dict:
+    n = max(frames, 1)
+    return {
+        "frames": frames,
+        "audio_s": round(audio_s, 3),
+        "ttfa_s": round(ttfa, 3),
+        "wall_s": round(wall, 3),
+        "rtf": round(wall / audio_s, 3),
+        "ms_per_frame": {
+            "talker": round(1000 * talker_s / max(talker_steps, 1), 1),
+            "code_predictor": round(1000 * cp_s / n, 1),
+            "decoder": round(1000 * decoder_s / n, 1),
+        },
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+
+
+async def run_pipeline_bench(model: Model, frames: int, seed: int = 0) -> tuple[dict, dict]:
+    """The same figures measured through the actor pipeline (decoder overlapping the
+    generator), plus the per-frame trace of both stages."""
+    from . import stream
+
+    async with stream.open(model, voice=model.default_voice, seed=seed, max_frames=frames,
+                           ignore_eos=True) as tts:
+        utterance = tts.speak(BENCH_TEXT)
+        async for _chunk in utterance:
+            pass
+    m = utterance.metrics
+    result = _figures(m.frames, m.audio_s, m.ttfa_s, m.wall_s, m.talker_s, m.talker_steps,
+                      m.code_predictor_s, m.decoder.busy)
+    t0 = m.started
+    trace = {
+        "generator": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.generator.spans],
+        "decoder": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.decoder.spans],
+        "overlap_s": round(m.overlap_s, 3),
+        "prefill_s": round(m.prefill_s, 3),
+    }
+    return result, trace
+
+
 def run_bench(model: Model, frames: int, seed: int = 0) -> dict:
     """Run one utterance of `frames` frames and return the benchmark's figures."""
     engines = model.engines
@@ -43,19 +84,6 @@ def run_bench(model: Model, frames: int, seed: int = 0) -> dict:
         if not ttfa:
             ttfa = time.perf_counter() - t_start
     wall = time.perf_counter() - t_start
-    n = gen.times.frames
-    audio_s = samples / model.sample_rate
-    return {
-        "frames": n,
-        "audio_s": round(audio_s, 3),
-        "ttfa_s": round(ttfa, 3),
-        "wall_s": round(wall, 3),
-        "rtf": round(wall / audio_s, 3),
-        "ms_per_frame": {
-            "talker": round(1000 * gen.times.talker / max(gen.times.talker_steps, 1), 1),
-            "code_predictor": round(1000 * gen.times.code_predictor / n, 1),
-            "decoder": round(1000 * decoder_s / n, 1),
-        },
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-    }
-
+    t = gen.times
+    return _figures(t.frames, samples / model.sample_rate, ttfa, wall, t.talker, t.talker_steps,
+                    t.code_predictor, decoder_s)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from .errors import KazeiaError, UsageError
 from .stages.sinks import FORMATS
@@ -183,8 +185,6 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
     from .bench import run_bench
     from .engine.synthesis import Engines, Threads
     from .model import load_model
@@ -192,7 +192,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model = load_model(_model_path(args))
     if args.threads:
         model.engines = Engines(model, Threads(args.threads, args.threads))
-    result = run_bench(model, args.frames)
+    if args.pipeline:
+        import trio
+
+        from .bench import run_pipeline_bench
+
+        result, trace = trio.run(run_pipeline_bench, model, args.frames)
+        if args.trace:
+            Path(args.trace).write_text(json.dumps(trace))
+        busy = sum(result["ms_per_frame"].values())
+        print(f"pipeline: {1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
+              f"{busy:.1f} ms of stage time; decoder/generator overlap {trace['overlap_s']:.2f} s",
+              file=sys.stderr)
+    else:
+        result = run_bench(model, args.frames)
     ms = result["ms_per_frame"]
     print(f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
           f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
@@ -210,6 +223,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=40, help="frames to generate, EOS ignored (default 40)")
     p.add_argument("--threads", type=int, help="threads for the talker and the code predictor")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    p.add_argument("--pipeline", action="store_true",
+                   help="measure through the streaming actor pipeline (decoder overlapping)")
+    p.add_argument("--trace", help="with --pipeline: write per-frame stage start/end times (JSON)")
     p.set_defaults(func=cmd_bench)
     return p
 

@@ -126,7 +126,7 @@ class Session:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed_text, self.model, text, text_send)
             nursery.start_soon(generate_frames, self.model, gen, make_prompt, self.text_streaming,
-                               text_recv, frame_send, m.generator)
+                               text_recv, frame_send, m)
             nursery.start_soon(decode_frames, self.engines.codec, frame_recv, audio, m)
 
 

@@ -60,6 +60,10 @@ class UtteranceMetrics:
     first_audio: float | None = None
     finished: float | None = None
     cancelled: bool = False
+    prefill_s: float = 0.0  # engine seconds, summed over the utterance
+    talker_s: float = 0.0
+    talker_steps: int = 0
+    code_predictor_s: float = 0.0
     generator: StageTrace = field(default_factory=StageTrace)
     decoder: StageTrace = field(default_factory=StageTrace)
 
@@ -78,6 +82,15 @@ class UtteranceMetrics:
     @property
     def wall_s(self) -> float | None:
         return None if self.finished is None else self.finished - self.started
+
+    @property
+    def overlap_s(self) -> float:
+        """Seconds during which the decoder and the generator were busy at the same time."""
+        total = 0.0
+        gen = self.generator.spans
+        for _, d0, d1 in self.decoder.spans:
+            total += sum(max(0.0, min(d1, g1) - max(d0, g0)) for _, g0, g1 in gen)
+        return total
 
     @property
     def rtf(self) -> float | None:

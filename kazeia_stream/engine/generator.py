@@ -80,6 +80,7 @@ class FrameGenerator:
     talker: Talker
     code_predictor: CodePredictor
     options: GenerationOptions = field(default_factory=GenerationOptions)
+    times: StageTimes = field(default_factory=StageTimes)
 
     def start(self, prefill: np.ndarray, trailing: np.ndarray, n_text_tokens: int,
               text_complete: bool = True) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
-from ..channels import Frame, StageTrace, TextTokens
+from ..channels import Frame, TextTokens, UtteranceMetrics
 from ..engine.generator import FrameGenerator
 from ..model import Model
 from ..model.prompt import Prompt
@@ -16,32 +16,44 @@ from ..model.prompt import Prompt
 
 async def generate_frames(model: Model, gen: FrameGenerator, make_prompt: Callable[[list[int], bool], Prompt],
                           text_streaming: bool, tokens: trio.MemoryReceiveChannel[TextTokens],
-                          out: trio.MemorySendChannel[Frame], trace: StageTrace) -> None:
+                          out: trio.MemorySendChannel[Frame], metrics: UtteranceMetrics) -> None:
     """Start the utterance once enough text is known, then send frames until EOS or the cap.
 
     In streaming mode the talker starts from the first token; when it needs a text row that has
     not arrived, it waits for the text (padding early would tell the model the text has ended).
-    Without streaming it waits for the whole text, as the official API does.
+    Without streaming it waits for the whole text, as the official API does. Records the
+    generator's trace and engine times into `metrics`.
     """
-    async with tokens, out:
-        ids: list[int] = []
-        complete = False
-        while not ids or not (complete or text_streaming):
-            msg = await tokens.receive()
-            ids += msg.ids
-            complete = msg.complete
-        prompt = make_prompt(ids, complete)
-        await trio.to_thread.run_sync(gen.start, prompt.prefill, prompt.trailing,
-                                      prompt.n_text_tokens, complete)
-        while True:
-            while not gen.text_complete and (gen.needs_text or _ready(tokens)):
-                _add_text(model, gen, await tokens.receive())
-            start = time.perf_counter()
-            codes = await trio.to_thread.run_sync(gen.next_frame)
-            if codes is None:
-                return
-            trace.add(gen.frame - 1, start, time.perf_counter())
-            await out.send(Frame(gen.frame - 1, codes))
+    try:
+        async with tokens, out:
+            await _loop(model, gen, make_prompt, text_streaming, tokens, out, metrics)
+    finally:
+        t = gen.times
+        metrics.prefill_s, metrics.talker_s = t.prefill, t.talker
+        metrics.talker_steps, metrics.code_predictor_s = t.talker_steps, t.code_predictor
+
+
+async def _loop(model: Model, gen: FrameGenerator, make_prompt: Callable[[list[int], bool], Prompt],
+            text_streaming: bool, tokens: trio.MemoryReceiveChannel[TextTokens],
+            out: trio.MemorySendChannel[Frame], metrics: UtteranceMetrics) -> None:
+    ids: list[int] = []
+    complete = False
+    while not ids or not (complete or text_streaming):
+        msg = await tokens.receive()
+        ids += msg.ids
+        complete = msg.complete
+    prompt = make_prompt(ids, complete)
+    await trio.to_thread.run_sync(gen.start, prompt.prefill, prompt.trailing,
+                                  prompt.n_text_tokens, complete)
+    while True:
+        while not gen.text_complete and (gen.needs_text or _ready(tokens)):
+            _add_text(model, gen, await tokens.receive())
+        start = time.perf_counter()
+        codes = await trio.to_thread.run_sync(gen.next_frame)
+        if codes is None:
+            return
+        metrics.generator.add(gen.frame - 1, start, time.perf_counter())
+        await out.send(Frame(gen.frame - 1, codes))
 
 
 def _ready(channel: trio.MemoryReceiveChannel) -> bool:
