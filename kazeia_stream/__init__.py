@@ -6,6 +6,10 @@ import os
 # codec decoder) that oversubscription made synthesis 30-80x slower on 2 cores. Sleeping waits
 # cost a few microseconds per graph. libgomp reads this once, when llama.cpp is first loaded.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# The codec decoder's many small GEMMs gain nothing from a second BLAS thread that has to wait
+# for a core the talker is using (measured: 1 thread 126 ms/frame, 2 threads 107-800 ms).
+# Effective when kazeia_stream is imported before numpy, as the CLI does.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from .errors import KazeiaError, ModelFileError, UsageError
 from .model import Model, load_model
