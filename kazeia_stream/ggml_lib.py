@@ -21,10 +21,17 @@ class GGUFInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
-class GGMLTensorHead(ctypes.Structure):
-    """The leading fields of struct ggml_tensor (ggml.h): its type, buffer and shape."""
+class GGMLTensor(ctypes.Structure):
+    """struct ggml_tensor (ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10,
+    GGML_MAX_NAME 64). Check a layout-dependent use against ggml_get_data / ggml_get_name."""
 
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4)]
+    _fields_ = [
+        ("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8),
+    ]
 
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
@@ -59,6 +66,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "gguf_get_tensor_size": ([_ctx, _c.c_int64], _c.c_size_t),
     # ggml.h / ggml-backend.h: tensors handed to us by libllama
     "ggml_get_name": ([_c.c_void_p], _c.c_char_p),
+    "ggml_get_data": ([_c.c_void_p], _c.c_void_p),
     "ggml_nbytes": ([_c.c_void_p], _c.c_size_t),
     "ggml_backend_tensor_set": ([_c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_size_t], None),
 }
