@@ -312,3 +312,10 @@ class CodePredictor:
             logits[j - 1] = self._step(x, j)
             x = self._embd.row(j - 1, int(codes[j]))[None]
         return logits
+
+    def embed(self, codes: np.ndarray) -> np.ndarray:
+        """The talker's next input for a frame's 16 codes: C_talker(c0) + sum_i cp.embd[i-1](cb_i)."""
+        total = self._talker_embd.row(int(codes[0])).copy()
+        for j in range(1, self.n_groups + 1):
+            total += self._embd.row(j - 1, int(codes[j]))
+        return total
