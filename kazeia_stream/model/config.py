@@ -35,7 +35,9 @@ _CODEC_NAME = re.compile(r"<\|(.+)\|>")
 
 
 @dataclass(frozen=True)
-class TalkerConfig:
+class LMConfig:
+    """The shape of a Qwen3 decoder stack (the talker and the code predictor are both one)."""
+
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -44,20 +46,16 @@ class TalkerConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
+
+
+@dataclass(frozen=True)
+class TalkerConfig(LMConfig):
     text_vocab_size: int
     codec_vocab_size: int
 
 
 @dataclass(frozen=True)
-class CodePredictorConfig:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
+class CodePredictorConfig(LMConfig):
     vocab_size: int
     num_code_groups: int
     has_projection: bool
