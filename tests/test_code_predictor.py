@@ -102,6 +102,41 @@ def test_f16_and_q8_0_files_stay_close_in_both_modes(tiny_gguf, out_type, tol):
     for exact in (True, False):
         cp = CodePredictor(model, threads=1, exact=exact)
         logits = np.stack([cp.teacher_forced_logits(h, c) for h, c in zip(ref["talker_hidden"], ref["codes"])])
+        codes = ref["codes"][0]
+        forced = iter(codes[1:])
+        _, embedding = cp.predict(ref["talker_hidden"][0], int(codes[0]), lambda logits: int(next(forced)))
         cp.close()
+        f = model.mmproj_file
+        table = f.tensor(L.CP_EMBD)  # dequantized by the gguf package
+        expected = f.rows(L.CP_OUT_EMBD, [codes[0]])[0] + sum(table[i - 1, codes[i]] for i in range(1, 16))
+        np.testing.assert_allclose(embedding, expected, atol=1e-5, rtol=1e-5)
         assert np.abs(logits - ref["cp_logits"]).max() <= tol, (out_type, exact)
         assert (logits.argmax(-1) == ref["cp_logits"].argmax(-1)).mean() >= 0.95, (out_type, exact)
+
+
+def test_f16_ffn_down_input_beyond_f16_range_stays_finite(tiny_gguf, monkeypatch):
+    """The real model's ffn_down input peaks near 1.5e5, past F16's 65504: blow the tiny one's up
+    likewise (ffn_norm x 300 scales gate and up) and compare with the exact F32 ffn_down."""
+    from kazeia_stream.engine import code_predictor as cp_module
+
+    data = cp_module._Plan.data
+
+    def louder(self, dst):
+        out = data(self, dst)
+        return out * np.float32(300.0) if dst.endswith("ffn_norm.weight") else out
+
+    monkeypatch.setattr(cp_module._Plan, "data", louder)
+    ref = np.load(REFS / "talker_custom_voice.npz")
+    h, codes = ref["talker_hidden"][0], ref["codes"][0]
+    model = kazeia_stream.load_model(tiny_gguf("custom_voice", "f16")[0])
+    results = {}
+    for exact, scale in ((True, None), (False, None), (False, 1.0)):
+        if scale is not None:
+            monkeypatch.setattr(cp_module, "_FFN_DOWN_INPUT_SCALE", scale)
+        cp = CodePredictor(model, threads=1, exact=exact)
+        results[exact, scale] = cp.teacher_forced_logits(h, codes)
+        cp.close()
+    exact, compact, unscaled = results[True, None], results[False, None], results[False, 1.0]
+    assert np.isfinite(exact).all() and np.isfinite(compact).all()
+    assert not np.isfinite(unscaled).all()  # the overflow the scaling avoids
+    assert np.abs(compact - exact).max() <= 0.02 * np.abs(exact).max()
