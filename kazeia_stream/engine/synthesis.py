@@ -43,6 +43,16 @@ class Engines:
         self.talker = Talker(model, LMOptions(threads=threads.talker))
         self.code_predictor = CodePredictor(model, threads=threads.code_predictor)
         self.codec = CodecDecoder(model.mmproj_file)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One throw-away step through every engine, so that the first utterance does not pay
+        for faulting the memory-mapped weights in and for first-call setup (measured on the
+        0.6B: about 0.3 s of its time to first audio)."""
+        hidden, _ = self.talker.prefill(self.model.pad_embedding[None])
+        self.code_predictor.predict(hidden, 0, lambda logits: 0)
+        self.codec.push(np.zeros((1, self.model.config.codec.num_quantizers), dtype=np.int64))
+        self.codec.reset()
 
     def generator(self, options: GenerationOptions) -> FrameGenerator:
         return FrameGenerator(self.model, self.talker, self.code_predictor, options)
