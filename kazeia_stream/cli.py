@@ -92,16 +92,14 @@ def write_file(model, args: argparse.Namespace) -> int:
     """Offline synthesis into a file, frame by frame, with a progress line on a terminal."""
     from .audio_file import AudioFileWriter
     from .engine.generator import GenerationOptions
-    from .engine.synthesis import frames
+    from .engine.synthesis import audio
 
     prompt = model.prompt(args.text, voice=args.voice, language=args.language,
                           instruct=args.instruct, text_streaming=args.text_streaming)
-    engines = model.engines
-    engines.codec.reset()
     progress = Progress(model.sample_rate)
     with AudioFileWriter(args.output, model.sample_rate) as out:
-        for codes in frames(engines, prompt, GenerationOptions(seed=args.seed)):
-            out.write(engines.codec.push(codes[None]))
+        for pcm in audio(model.engines, prompt, GenerationOptions(seed=args.seed)):
+            out.write(pcm)
             progress.update(out.frames)
     progress.close(f"wrote {args.output}: {out.frames / model.sample_rate:.2f} s")
     return 0

@@ -296,8 +296,7 @@ class CodePredictor:
         C_talker(code0) + sum_i cp.embd[i-1](cb_i) [talker hidden]; `sample(logits) -> code`."""
         codes = np.empty(self.n_groups + 1, dtype=np.int64)
         codes[0] = code0
-        total = self._talker_embd.row(int(code0))
-        x = np.stack([np.asarray(hidden, dtype=np.float32), total])
+        x = np.stack([np.asarray(hidden, dtype=np.float32), self._talker_embd.row(int(code0))])
         self._lm.reset(clear_data=False)
         for j in range(1, self.n_groups + 1):
             code = int(sample(self._step(x, j)))
@@ -305,8 +304,7 @@ class CodePredictor:
                 raise ValueError(f"sampled code {code} of codebook {j} is outside 0..{self.vocab_size - 1}")
             codes[j] = code
             x = self._embd.row(j - 1, code)[None]
-            total = total + x[0]
-        return codes, total
+        return codes, self.embed(codes)
 
     def teacher_forced_logits(self, hidden: np.ndarray, codes: np.ndarray) -> np.ndarray:
         """[15, vocab]: codebook j's logits given codes 0..j-1 of the frame (the same decodes

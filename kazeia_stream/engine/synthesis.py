@@ -66,9 +66,14 @@ def frames(engines: Engines, prompt: Prompt, options: GenerationOptions) -> Iter
         yield codes
 
 
-def synthesize(model: Model, prompt: Prompt, **options) -> np.ndarray:
-    """All the audio of one utterance, decoded frame by frame as it is generated."""
-    engines = model.engines
+def audio(engines: Engines, prompt: Prompt, options: GenerationOptions) -> Iterator[np.ndarray]:
+    """The PCM of each frame of one utterance, decoded as soon as the frame is generated."""
     engines.codec.reset()
-    chunks = [engines.codec.push(codes[None]) for codes in frames(engines, prompt, GenerationOptions(**options))]
+    for codes in frames(engines, prompt, options):
+        yield engines.codec.push(codes[None])
+
+
+def synthesize(model: Model, prompt: Prompt, **options) -> np.ndarray:
+    """All the audio of one utterance."""
+    chunks = list(audio(model.engines, prompt, GenerationOptions(**options)))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
