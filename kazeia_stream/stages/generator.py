@@ -61,7 +61,9 @@ def _ready(channel: trio.MemoryReceiveChannel) -> bool:
 
 
 def _add_text(model: Model, gen: FrameGenerator, msg: TextTokens) -> None:
-    rows = model.text_embeddings(msg.ids) if msg.ids else np.zeros((0, len(model.eos_embedding)), np.float32)
+    """Trailing rows for new tokens; the text's end adds the EOS row (every message has one or
+    the other)."""
+    rows = [model.text_embeddings(msg.ids)] if msg.ids else []
     if msg.complete:
-        rows = np.concatenate([rows, model.eos_embedding[None]])
-    gen.add_text(rows, len(msg.ids), msg.complete)
+        rows.append(model.eos_embedding[None])
+    gen.add_text(np.concatenate(rows), len(msg.ids), msg.complete)
