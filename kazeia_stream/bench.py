@@ -7,6 +7,7 @@ a time as a live stream would, and reports figures a user can compare across mac
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -44,37 +45,51 @@ def _figures(frames: int, audio_s: float, ttfa: float, wall: float, talker_s: fl
     }
 
 
-async def run_pipeline_bench(model: Model, frames: int, seed: int = 0) -> tuple[dict, dict]:
+def median(results: list[dict]) -> dict:
+    """Each figure's median over repeated runs (peak memory: the largest); shared machines
+    move single runs by tens of percent."""
+    def combine(key: str, values: list):
+        if isinstance(values[0], dict):
+            return {k: combine(k, [v[k] for v in values]) for k in values[0]}
+        return max(values) if key == "peak_rss_mb" else statistics.median(values)
+    return {k: combine(k, [r[k] for r in results]) for k in results[0]}
+
+
+async def run_pipeline_bench(model: Model, frames: int, repeat: int = 1,
+                             seed: int = 0) -> tuple[list[dict], list[dict]]:
     """The same figures measured through the actor pipeline (decoder overlapping the
-    generator), plus the per-frame trace of both stages."""
+    generator), for `repeat` utterances in one session, plus each one's per-frame trace."""
     from . import stream
 
+    results, traces = [], []
     async with stream.open(model, voice=model.default_voice, seed=seed, max_frames=frames,
                            ignore_eos=True) as tts:
-        utterance = tts.speak(BENCH_TEXT)
-        async for _chunk in utterance:
-            pass
-    m = utterance.metrics
-    result = _figures(m.frames, m.audio_s, m.ttfa_s, m.wall_s, m.talker_s, m.talker_steps,
-                      m.code_predictor_s, m.decoder.busy)
-    t0 = m.started
-    trace = {
-        "generator": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.generator.spans],
-        "decoder": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.decoder.spans],
-        "overlap_s": round(m.overlap_s, 3),
-        "prefill_s": round(m.prefill_s, 3),
-    }
-    return result, trace
+        for _ in range(repeat):
+            utterance = tts.speak(BENCH_TEXT)
+            async for _chunk in utterance:
+                pass
+            m = utterance.metrics
+            results.append(_figures(m.frames, m.audio_s, m.ttfa_s, m.wall_s, m.talker_s,
+                                    m.talker_steps, m.code_predictor_s, m.decoder.busy))
+            t0 = m.started
+            traces.append({
+                "generator": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.generator.spans],
+                "decoder": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.decoder.spans],
+                "overlap_s": round(m.overlap_s, 3),
+                "prefill_s": round(m.prefill_s, 3),
+            })
+    return results, traces
 
 
 def run_bench(model: Model, frames: int, seed: int = 0) -> dict:
     """Run one utterance of `frames` frames and return the benchmark's figures."""
     engines = model.engines
     engines.codec.reset()
+    engines.prepare(model.prompt(BENCH_TEXT, voice=model.default_voice))  # as a session does
     t_start = time.perf_counter()
     prompt = model.prompt(BENCH_TEXT, voice=model.default_voice, text_streaming=True)
     gen = engines.generator(GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True))
-    gen.start(prompt.prefill, prompt.trailing, prompt.n_text_tokens)
+    gen.start(prompt)
     ttfa = decoder_s = 0.0
     samples = 0
     while (codes := gen.next_frame()) is not None:

@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -183,7 +184,7 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .bench import median, run_bench
     from .engine.synthesis import Engines, Threads
     from .model import load_model
 
@@ -195,15 +196,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         from .bench import run_pipeline_bench
 
-        result, trace = trio.run(run_pipeline_bench, model, args.frames)
+        results, traces = trio.run(run_pipeline_bench, model, args.frames, args.repeat)
         if args.trace:
-            Path(args.trace).write_text(json.dumps(trace))
+            Path(args.trace).write_text(json.dumps(traces if args.repeat > 1 else traces[0]))
+        result = median(results)
         busy = sum(result["ms_per_frame"].values())
+        overlap = statistics.median(t["overlap_s"] for t in traces)
         print(f"pipeline: {1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
-              f"{busy:.1f} ms of stage time; decoder/generator overlap {trace['overlap_s']:.2f} s",
+              f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s",
               file=sys.stderr)
     else:
-        result = run_bench(model, args.frames)
+        results = [run_bench(model, args.frames) for _ in range(args.repeat)]
+        result = median(results)
+    if args.repeat > 1:
+        ttfa = sorted(r["ttfa_s"] for r in results)
+        print(f"medians of {args.repeat} runs; time to first audio from {ttfa[0]:.3f} to "
+              f"{ttfa[-1]:.3f} s", file=sys.stderr)
     ms = result["ms_per_frame"]
     print(f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
           f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
@@ -223,7 +231,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     p.add_argument("--pipeline", action="store_true",
                    help="measure through the streaming actor pipeline (decoder overlapping)")
-    p.add_argument("--trace", help="with --pipeline: write per-frame stage start/end times (JSON)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run N utterances and report each figure's median (default 1)")
+    p.add_argument("--trace", help="with --pipeline: write per-frame stage start/end times (JSON; "
+                                   "a list of them with --repeat)")
     p.set_defaults(func=cmd_bench)
     return p
 

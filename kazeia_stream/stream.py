@@ -7,7 +7,8 @@
 
 Each utterance runs as trio actors in one nursery: text feeder -> generator (talker + code
 predictor) -> decoder, joined by bounded memory channels, heavy calls in worker threads. The
-decoder works on frame N while the generator works on frame N+1.
+decoder works on frame N while the generator works on frame N+1, except for the first frame,
+whose decode runs alone because nothing can be heard before it.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Session:
         text_send, text_recv = trio.open_memory_channel[TextTokens](TEXT_BUFFER)
         frame_send, frame_recv = trio.open_memory_channel[Frame](FRAME_BUFFER)
         gen = self.engines.generator(options)
+        first_audio = trio.Event()
 
         def make_prompt(ids: list[int], complete: bool) -> Prompt:
             return self.model.prompt_from_tokens(
@@ -126,8 +128,9 @@ class Session:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed_text, self.model, text, text_send)
             nursery.start_soon(generate_frames, self.model, gen, make_prompt, self.text_streaming,
-                               text_recv, frame_send, m)
-            nursery.start_soon(decode_frames, self.engines.codec, frame_recv, audio, m)
+                               text_recv, frame_send, m, first_audio)
+            nursery.start_soon(decode_frames, self.engines.codec, self.engines.cores, frame_recv,
+                               audio, m, first_audio)
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -143,9 +146,11 @@ async def open(model: Model, *, voice: str | None = None, language: str = "auto"
                threads: Threads | None = None, **generation) -> AsyncIterator[Session]:
     """A speaking session on a loaded model. `generation` takes `GenerationOptions` fields
     (seed, temperature, top_k, ...)."""
-    # Fail here, not in the middle of the first utterance, on a bad voice or language.
-    model.prompt("check", voice=voice, language=language, instruct=instruct)
+    # Fail here, not in the middle of the first utterance, on a bad voice or language; and
+    # compute the prompt rows all utterances share before the first text arrives.
+    prompt = model.prompt("check", voice=voice, language=language, instruct=instruct)
     engines = model.engines if threads is None else Engines(model, threads)
+    await trio.to_thread.run_sync(engines.prepare, prompt)
     async with trio.open_nursery() as nursery:
         session = Session(model, nursery, engines, voice, language, instruct, text_streaming,
                           GenerationOptions(**generation))

@@ -73,6 +73,19 @@ def test_prefill_matches_the_official_embeddings(kind, request):
         assert np.abs(trailing - trailing_ref).max() <= 1e-6 * scale, case["name"]
 
 
+@pytest.mark.parametrize("kind", ["custom_voice", "voice_design"])
+def test_fixed_rows_are_exactly_what_prompts_of_one_voice_share(kind, request):
+    model = request.getfixturevalue(kind)
+    for case, *_ in _prefill_cases(kind):
+        settings = dict(voice=case["voice"], language=case["language"], instruct=case["instruct"],
+                        text_streaming=not case["non_streaming"])
+        a = model.prompt(case["text"], **settings)
+        b = model.prompt("Quite another text, 42.", **settings)
+        assert a.n_fixed == b.n_fixed < min(len(a.prefill), len(b.prefill)), case["name"]
+        assert np.array_equal(a.prefill[:a.n_fixed], b.prefill[:b.n_fixed]), case["name"]
+        assert not np.array_equal(a.prefill[a.n_fixed], b.prefill[b.n_fixed]), case["name"]
+
+
 def test_names_are_case_insensitive(custom_voice):
     a = custom_voice.prefill("Hi.", voice="Ryan", language="English")[0]
     b = custom_voice.prefill("Hi.", voice="ryan", language="english")[0]

@@ -9,7 +9,9 @@ import pytest
 import trio
 
 import kazeia_stream
+import llama_cpp
 from kazeia_stream import UsageError
+from kazeia_stream.engine.synthesis import Threads
 from kazeia_stream.stream import AUDIO_BUFFER, FRAME_BUFFER
 
 TEXT = "Hello there, this is a tiny test of the streaming pipeline."
@@ -94,14 +96,21 @@ async def test_a_slow_consumer_holds_the_producers_back(model):
         assert max(ahead) <= FRAME_BUFFER + AUDIO_BUFFER + 2
 
 
-async def test_the_decoder_overlaps_the_generator(model):
-    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_the_decoder_overlaps_the_generator_after_the_first_frame(model, monkeypatch):
+    threads = []  # libllama's thread count, each time it changes
+    set_threads = llama_cpp.llama_set_n_threads
+    monkeypatch.setattr(llama_cpp, "llama_set_n_threads",
+                        lambda ctx, n, n_batch: threads.append(n) or set_threads(ctx, n, n_batch))
+    async with kazeia_stream.open(model, voice="ryan", seed=5, threads=Threads(2, 2)) as tts:
         utterance = tts.speak(TEXT)
         await collect(utterance)
         gen = utterance.metrics.generator.spans
         dec = utterance.metrics.decoder.spans
+        assert gen[1][1] >= dec[0][2]  # the first decode ran alone
         overlapping = sum(1 for _, d0, d1 in dec for _, g0, g1 in gen if d0 < g1 and g0 < d1)
         assert overlapping > 0
+        # libllama's calls gave a core to the decoder beside them, and took it back
+        assert 1 in threads and threads[-1] == 2
 
 
 async def test_errors_surface_in_the_iteration_and_the_session_survives(model, offline):

@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 
 import kazeia_stream
+from kazeia_stream.bench import median
 from kazeia_stream.engine.generator import frame_cap
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -109,3 +110,22 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     assert result["frames"] == 6 and result["audio_s"] == pytest.approx(6 * 0.08)
     assert 0 < result["ttfa_s"] < result["wall_s"]
     assert result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"], rel=0.01)
+
+
+def test_pipeline_bench_repeats_and_reports_medians(tiny_gguf, tmp_path):
+    trace = tmp_path / "trace.json"
+    r = run_cli("bench", "--model", str(tiny_gguf("custom_voice")[0]), "--frames", "5", "--json",
+                "--pipeline", "--repeat", "3", "--trace", str(trace))
+    assert r.returncode == 0, r.stderr.decode()
+    result = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert result["frames"] == 5 and "medians of 3 runs" in r.stderr.decode()
+    traces = json.loads(trace.read_text())
+    assert len(traces) == 3
+    assert all([f for f, *_ in t["generator"]] == [f for f, *_ in t["decoder"]] == list(range(5))
+               for t in traces)
+
+
+def test_median_takes_each_figure_s_median_and_the_largest_peak():
+    runs = [{"ttfa_s": t, "ms_per_frame": {"talker": m}, "peak_rss_mb": p}
+            for t, m, p in [(0.5, 10.0, 3.0), (0.9, 30.0, 1.0), (0.4, 20.0, 2.0)]]
+    assert median(runs) == {"ttfa_s": 0.5, "ms_per_frame": {"talker": 20.0}, "peak_rss_mb": 3.0}

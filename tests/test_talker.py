@@ -32,11 +32,33 @@ def test_teacher_forced_talker_matches_the_official_logits(kind, tiny_gguf):
     assert (logits.argmax(-1) == ref["talker_logits"].argmax(-1)).mean() >= 0.99
 
 
-def test_each_utterance_starts_from_an_empty_cache(tiny_gguf):
+def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_gguf):
     model = kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
     talker = model.engines.talker
-    prompt = model.prompt("Hello there.", voice="ryan")
-    first = talker.prefill(prompt.prefill)
-    talker.step(model.pad_embedding)
-    again = talker.prefill(prompt.prefill)
-    assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+    rows_run = []
+    forward = talker.lm.forward
+    talker.lm.forward = lambda embeds, *a: rows_run.append(len(embeds)) or forward(embeds, *a)
+    hello, other = (model.prompt(t, voice="ryan") for t in ("Hello there.", "Something else."))
+    eric = model.prompt("Hello there.", voice="eric")
+
+    def prefill(prompt):
+        rows_run.clear()
+        out = talker.prefill(prompt.prefill, prompt.n_fixed)
+        talker.step(model.pad_embedding)  # leave more positions behind in the cache
+        return out, sum(rows_run) - 1
+
+    first, n_first = prefill(hello)
+    assert n_first == len(hello.prefill)
+    again, n_again = prefill(hello)
+    assert n_again == len(hello.prefill) - hello.n_fixed
+    other_warm, n_other = prefill(other)
+    assert n_other == len(other.prefill) - other.n_fixed
+    _, n_eric = prefill(eric)
+    assert n_eric == len(eric.prefill)  # another voice: computed from scratch
+    other_cold, _ = prefill(other)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert all(np.array_equal(a, b) for a, b in zip(other_warm, other_cold))
+    # The split into two batches changes only float rounding against one batch.
+    talker.prefill(eric.prefill)
+    whole = talker.prefill(other.prefill)
+    assert np.abs(whole[1] - other_warm[1]).max() < 1e-4 * np.abs(whole[1]).max()

@@ -42,7 +42,7 @@ from ..ggml_lib import GGMLTensor, GGUFInitParams, ggml
 from ..model import gguf_layout as L
 from ..model import llama as _llama  # noqa: F401  (routes llama.cpp's log, inits the backend)
 from ..model.gguf_file import GGUFFile
-from .llm import EmbeddingLM, LMOptions
+from .llm import EmbeddingLM, LMOptions, SharedCores
 
 ARCH = "qwen3"
 # Positions per frame: the 2-token prefill and 14 steps.
@@ -242,7 +242,8 @@ class _Table:
 class CodePredictor:
     """Codebooks 1..15 of each frame, and the talker's next input embedding."""
 
-    def __init__(self, model, threads: int = 2, exact: bool = False) -> None:
+    def __init__(self, model, threads: int = 2, exact: bool = False,
+                 cores: SharedCores | None = None) -> None:
         f: GGUFFile = model.mmproj_file
         self.config = cfg = model.config.code_predictor
         self.n_groups = cfg.num_code_groups - 1
@@ -262,7 +263,8 @@ class CodePredictor:
         self._output = GGMLTensor.from_address(output)
         kv_f32 = exact or f.tensor_type(L.CP_FFN_UP.format(bid=0)) == QType.F32
         self._lm = EmbeddingLM(self._model, cfg.hidden_size, cfg.vocab_size, 1,
-                               LMOptions(n_ctx=_N_POS, n_batch=_N_POS, threads=threads, kv_f32=kv_f32))
+                               LMOptions(n_ctx=_N_POS, n_batch=_N_POS, threads=threads, kv_f32=kv_f32),
+                               cores)
 
     def close(self) -> None:
         lm = getattr(self, "_lm", None)

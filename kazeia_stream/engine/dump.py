@@ -20,7 +20,7 @@ def teacher_forced_talker(engines: Engines, prompt: Prompt, codes: np.ndarray) -
     frame t-1 with its trailing text row (or the pad row), as the official decode loop does."""
     talker, cp = engines.talker, engines.code_predictor
     pad = engines.model.pad_embedding
-    hidden, logits = talker.prefill(prompt.prefill)
+    hidden, logits = talker.prefill(prompt.prefill, prompt.n_fixed)
     hs, ls = [hidden], [logits]
     for t in range(1, len(codes)):
         text = prompt.trailing[t - 1] if t - 1 < len(prompt.trailing) else pad

@@ -18,6 +18,7 @@ from .sampler import CodeSampler, SamplingParams, TalkerSampler
 
 if TYPE_CHECKING:
     from ..model import Model
+    from ..model.prompt import Prompt
     from .code_predictor import CodePredictor
     from .talker import Talker
 
@@ -82,8 +83,7 @@ class FrameGenerator:
     options: GenerationOptions = field(default_factory=GenerationOptions)
     times: StageTimes = field(default_factory=StageTimes)
 
-    def start(self, prefill: np.ndarray, trailing: np.ndarray, n_text_tokens: int,
-              text_complete: bool = True) -> None:
+    def start(self, prompt: Prompt, text_complete: bool = True) -> None:
         """Begin an utterance from `Model.prompt`'s output. With `text_complete=False` more
         trailing text rows come through `add_text` while frames are generated."""
         cfg = self.model.config
@@ -98,16 +98,16 @@ class FrameGenerator:
         self.code_sampler = CodeSampler(SamplingParams(
             bool(gen["subtalker_do_sample"]), gen["subtalker_temperature"],
             int(gen["subtalker_top_k"]), gen["subtalker_top_p"]), rng)
-        self.trailing = list(trailing)
+        self.trailing = list(prompt.trailing)
         self.text_complete = text_complete
-        self.n_text_tokens = n_text_tokens
+        self.n_text_tokens = prompt.n_text_tokens
         self.pad = self.model.pad_embedding
         self.times = StageTimes()
         self.frame = 0
         self.done = False
         self._pending: np.ndarray | None = None
         t0 = time.perf_counter()
-        self.hidden, self.logits = self.talker.prefill(prefill)
+        self.hidden, self.logits = self.talker.prefill(prompt.prefill, prompt.n_fixed)
         self.times.prefill = time.perf_counter() - t0
 
     @property

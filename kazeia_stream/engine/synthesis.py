@@ -12,7 +12,7 @@ import numpy as np
 from .code_predictor import CodePredictor
 from .codec import CodecDecoder
 from .generator import FrameGenerator, GenerationOptions
-from .llm import LMOptions
+from .llm import LMOptions, SharedCores
 from .talker import Talker
 
 if TYPE_CHECKING:
@@ -40,8 +40,9 @@ class Engines:
     def __init__(self, model: Model, threads: Threads | None = None) -> None:
         threads = threads or Threads.default()
         self.model = model
-        self.talker = Talker(model, LMOptions(threads=threads.talker))
-        self.code_predictor = CodePredictor(model, threads=threads.code_predictor)
+        self.cores = SharedCores()  # the decoder actor holds one while it runs beside them
+        self.talker = Talker(model, LMOptions(threads=threads.talker), self.cores)
+        self.code_predictor = CodePredictor(model, threads=threads.code_predictor, cores=self.cores)
         self.codec = CodecDecoder(model.mmproj_file)
         self.warm_up()
 
@@ -54,6 +55,11 @@ class Engines:
         self.codec.push(np.zeros((1, self.model.config.codec.num_quantizers), dtype=np.int64))
         self.codec.reset()
 
+    def prepare(self, prompt: Prompt) -> None:
+        """Compute the rows that every utterance of a session starts with (instruction, role,
+        voice, language), so that even its first utterance only computes its text's rows."""
+        self.talker.prefill(prompt.prefill, prompt.n_fixed)
+
     def generator(self, options: GenerationOptions) -> FrameGenerator:
         return FrameGenerator(self.model, self.talker, self.code_predictor, options)
 
@@ -61,7 +67,7 @@ class Engines:
 def frames(engines: Engines, prompt: Prompt, options: GenerationOptions) -> Iterator[np.ndarray]:
     """The codes [16] of each frame of one utterance."""
     gen = engines.generator(options)
-    gen.start(prompt.prefill, prompt.trailing, prompt.n_text_tokens)
+    gen.start(prompt)
     while (codes := gen.next_frame()) is not None:
         yield codes
 

@@ -137,11 +137,10 @@ class Model:
         instruct_ids = self._instruct_ids(instruct)
         role_ids = role_ids or self._encode(ROLE_TEXT)
         spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
-        prefill, trailing = build_prompt(
+        return build_prompt(
             self._rows, self.config.text_ids, self.config.codec_ids, role_ids, body_ids,
             instruct_ids=instruct_ids, language_id=language_id, speaker=spk_row,
             text_streaming=text_streaming, text_complete=text_complete)
-        return Prompt(prefill, trailing, n_text_tokens=len(body_ids))
 
     def text_embeddings(self, ids: list[int]) -> np.ndarray:
         """Rows T(id) of text tokens [n, H], as trailing text."""

@@ -23,11 +23,14 @@ class Embeddings(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """What the talker starts from: prefill rows, trailing text rows, and the text's length."""
+    """What the talker starts from: prefill rows, trailing text rows, the text's length, and how
+    many leading prefill rows do not depend on the text (instruction, role and voice rows, the
+    same for every utterance of a session, so their KV cache can be kept)."""
 
     prefill: np.ndarray
     trailing: np.ndarray
     n_text_tokens: int
+    n_fixed: int
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ def build_prompt(
     speaker: np.ndarray | None,
     text_streaming: bool,
     text_complete: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Return (prefill [T, H], trailing [N, H]).
+) -> Prompt:
+    """The prompt: prefill [T, H] and trailing [N, H] rows.
 
     `role_ids` are the 3 tokens of "<|im_start|>assistant\n" and `body_ids` the text's tokens,
     as the official code slices the tokens of `assistant_text(text)`; `speaker` is a codec row
@@ -107,6 +110,7 @@ def build_prompt(
     if instruct_ids:
         parts.append(emb.text(instruct_ids))
     parts += [emb.text(role_ids), control]
+    n_fixed = sum(len(part) for part in parts)
 
     body_rows = emb.text(body_ids)
     if text_streaming:
@@ -117,4 +121,5 @@ def build_prompt(
         parts.append(np.concatenate([body_rows, eos[None]]) + codec_pad)
         parts.append(pad[None] + codec_rows[-1:])
         trailing = pad[None].copy()
-    return np.concatenate(parts).astype(np.float32, copy=False), trailing.astype(np.float32, copy=False)
+    return Prompt(np.concatenate(parts).astype(np.float32, copy=False),
+                  trailing.astype(np.float32, copy=False), len(body_ids), n_fixed)
