@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +104,27 @@ def test_rejects_a_wrong_shape(decoder, reference):
         decoder.push(reference["codes"][0])
     with pytest.raises(ValueError, match="codes must be <"):
         decoder.push(np.full((2, 16), 2048))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores for 2 BLAS threads")
+def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from kazeia_stream.engine import codec
+
+    seen = []
+    matmul = codec._matmul
+
+    def spy(*args, **kwargs):
+        seen.append({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"})
+        return matmul(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "_matmul", spy)
+    with threadpool_limits(limits=2, user_api="blas"):
+        decoder.reset()
+        decoder.push(reference["codes"][:2])
+        assert seen and all(s == {1} for s in seen)  # whatever numpy's own setting
+        seen.clear()
+        decoder.push(reference["codes"][2:4], threads=2)
+        assert seen and all(s == {2} for s in seen)
+        assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {2}

@@ -20,10 +20,11 @@ clamped to [-1, 1].
 Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
 a few sgemms W @ X on numpy's BLAS (weights on the left is the fast orientation for the few
 time columns of the early stages); a convolution tap is a shifted column view of the layer's
-context buffer, which the producer writes into directly. Use ONE BLAS thread
-(OPENBLAS_NUM_THREADS=1 or threadpoolctl): the GEMMs are many and small, and OpenBLAS' second
-thread, when the other core is busy (as it is beside the talker), makes decoding several times
-slower. `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+context buffer, which the producer writes into directly. Each push sets its own BLAS thread
+count (threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small,
+and OpenBLAS' threads spin after each one, taking the core that llama.cpp's threads need (a
+second BLAS thread made the talker's next step ~2x slower, and synthesis of the tiny test
+models 30-80x). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -34,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
@@ -483,8 +485,10 @@ class CodecDecoder:
     `push(codes)` continues the current utterance, `reset()` starts a new one, `decode(codes)` is
     a one-shot reset + push. Chunks of any sizes give the samples of the one-shot decode."""
 
-    def __init__(self, mmproj: GGUFFile) -> None:
+    def __init__(self, mmproj: GGUFFile, threads: int = 1) -> None:
         f = mmproj
+        self.threads = threads
+        self._blas = ThreadpoolController().select(user_api="blas")
         self.quantizer = Quantizer(f)
         self.pre_conv = CausalConv(*_conv(f, L.WAV_PRE_CONV))
         self.transformer = Transformer(f)
@@ -513,8 +517,9 @@ class CodecDecoder:
             block.reset()
         self.post_conv.reset()
 
-    def push(self, codes: np.ndarray) -> np.ndarray:
-        """Decode the next frames of the utterance: codes [n, groups] -> audio [n * spf]."""
+    def push(self, codes: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """Decode the next frames of the utterance: codes [n, groups] -> audio [n * spf], on
+        `threads` BLAS threads (default: the decoder's `threads`)."""
         codes = np.asarray(codes)
         if codes.ndim != 2 or codes.shape[1] != self.num_groups:
             raise ValueError(f"codes must be [n, {self.num_groups}], got {codes.shape}")
@@ -522,10 +527,11 @@ class CodecDecoder:
             raise ValueError(f"codes must be < {self.quantizer.codebook_size}, got {codes.max()}")
         out = np.empty(len(codes) * self.samples_per_frame, F32)
         done = 0
-        for i in range(0, len(codes), MAX_FRAMES_PER_PASS):
-            for piece in self._forward(codes[i: i + MAX_FRAMES_PER_PASS].astype(np.int64)):
-                out[done: done + len(piece)] = piece
-                done += len(piece)
+        with self._blas.limit(limits=threads or self.threads):
+            for i in range(0, len(codes), MAX_FRAMES_PER_PASS):
+                for piece in self._forward(codes[i: i + MAX_FRAMES_PER_PASS].astype(np.int64)):
+                    out[done: done + len(piece)] = piece
+                    done += len(piece)
         return out
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
@@ -587,8 +593,8 @@ def _count(f: GGUFFile, pattern: str) -> int:
 
 def _bench(argv: list[str] | None = None) -> None:
     """`python -m kazeia_stream.engine.codec MMPROJ [FRAMES_PER_PUSH ...]`: ms per frame while
-    streaming (threads: OPENBLAS_NUM_THREADS). CPU time is what the process used; with other
-    processes on the machine, wall time is the larger."""
+    streaming. CPU time is what the process used; with other processes on the machine, wall
+    time is the larger."""
     import argparse
     import time
 
@@ -597,8 +603,9 @@ def _bench(argv: list[str] | None = None) -> None:
     ap.add_argument("per_push", nargs="*", type=int, default=[1, 4, 12])
     ap.add_argument("--frames", type=int, default=48, help="frames decoded per measurement")
     ap.add_argument("--repeat", type=int, default=3, help="measurements; the best is shown")
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
     args = ap.parse_args(argv)
-    dec = CodecDecoder(GGUFFile(args.mmproj))
+    dec = CodecDecoder(GGUFFile(args.mmproj), threads=args.threads)
     codes = np.random.default_rng(0).integers(0, dec.quantizer.codebook_size, (args.frames, dec.num_groups))
     for per in args.per_push:
         dec.decode(codes[:per])  # warm up

@@ -40,7 +40,8 @@ class Engines:
     def __init__(self, model: Model, threads: Threads | None = None) -> None:
         threads = threads or Threads.default()
         self.model = model
-        self.cores = SharedCores()  # the decoder actor holds one while it runs beside them
+        # the decoder actor holds some while it runs beside them
+        self.cores = SharedCores(max(threads.talker, threads.code_predictor))
         self.talker = Talker(model, LMOptions(threads=threads.talker), self.cores)
         self.code_predictor = CodePredictor(model, threads=threads.code_predictor, cores=self.cores)
         self.codec = CodecDecoder(model.mmproj_file)

@@ -17,10 +17,11 @@ async def decode_frames(codec: CodecDecoder, cores: SharedCores,
                         out: trio.MemorySendChannel[AudioChunk], metrics: UtteranceMetrics,
                         first_audio: trio.Event) -> None:
     """Decode frames as they come. Frames that queued up while the decoder was busy are decoded
-    together in one push (same samples, fewer and larger matrix products). While a push runs,
-    the decoder holds one of the cores libllama's calls use. Sets `first_audio` once the first
-    chunk exists, records the decoder's trace, the time of the first audio and the samples
-    produced."""
+    together in one push (same samples, fewer and larger matrix products). The first push runs
+    alone (the generator waits for it) on every core: measured on 2 cores, first audio ~50 ms
+    sooner, the next frame ~50 ms later. Later pushes take one core from libllama's calls.
+    Sets `first_audio` once the first chunk exists, records the decoder's trace, the time of the
+    first audio and the samples produced."""
     async with frames, out:
         codec.reset()
         async for frame in frames:
@@ -29,8 +30,9 @@ async def decode_frames(codec: CodecDecoder, cores: SharedCores,
                 batch.append(frames.receive_nowait())
             codes = np.stack([f.codes for f in batch])
             start = time.perf_counter()
-            with cores.lend():
-                pcm = await trio.to_thread.run_sync(codec.push, codes)
+            threads = cores.count if metrics.first_audio is None else 1
+            with cores.lend(threads):
+                pcm = await trio.to_thread.run_sync(codec.push, codes, threads)
             end = time.perf_counter()
             for f in batch:
                 metrics.decoder.add(f.index, start, end)
