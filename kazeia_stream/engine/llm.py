@@ -33,8 +33,9 @@ class SharedCores:
     """The cores that libllama's calls share with the codec decoder running beside them.
 
     ggml's threads meet at a barrier after every operation, so one thread waiting for a core
-    that the decoder holds stalls all the others; while the decoder works, each call takes one
-    thread fewer (measured on 2 cores: ~7% less wall time per frame in the pipeline).
+    that the decoder holds stalls all the others; while the decoder works, each call runs with
+    as many threads fewer as it holds cores (measured on 2 cores, one core lent: ~7% less wall
+    time per frame in the pipeline).
     """
 
     def __init__(self, count: int = 1) -> None:
