@@ -288,6 +288,8 @@ def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, stream=sys.stderr, format="kazeia-stream: %(message)s")
     logging.getLogger("llama.cpp").setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
+    # gguf's writer logs each metadata header the code predictor builds at load
+    logging.getLogger("gguf").setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import trio
 
 from . import stream
+from .engine.generator import frame_cap
 from .errors import UsageError
 from .model import Model
 from .stages.playback import AudioPlayer
@@ -23,12 +24,14 @@ SECONDS_PER_TOKEN = 0.3  # a typical speaking pace, for the pre-buffer estimate
 
 async def speak_live(model: Model, text: str, *, device: str | int | None, **session) -> int:
     """Speak `text` through the sound card as soon as audio exists."""
-    expected_s = SECONDS_PER_TOKEN * model.prompt(text, voice=session.get("voice"),
-                                                  language=session.get("language", "auto")).n_text_tokens
+    n_tokens = model.prompt(text, voice=session.get("voice"),
+                            language=session.get("language", "auto")).n_text_tokens
+    frame_s = model.config.codec.samples_per_frame / model.sample_rate
+    longest_s = frame_s * frame_cap(n_tokens, int(model.config.generation["max_new_tokens"]))
     with AudioPlayer(model.sample_rate, device=device) as player:
         async with stream.open(model, **session) as tts:
             utterance = tts.speak(text)
-            await play(utterance, player, expected_s)
+            await play(utterance, player, SECONDS_PER_TOKEN * n_tokens, longest_s)
             m = utterance.metrics
             log.info("first audio after %.3f s, real-time factor %.2f, %d underruns",
                      m.ttfa_s or 0.0, m.rtf or 0.0, player.underruns)

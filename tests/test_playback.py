@@ -14,9 +14,11 @@ import pytest
 import trio
 from audio import SAMPLE_RATE, active_spans, align, chirp_signal, correlation, gain, tone
 
+from kazeia_stream.channels import AudioChunk
 from kazeia_stream.errors import UsageError
 from kazeia_stream.stages import playback
 from kazeia_stream.stages.playback import AudioPlayer, list_output_devices, prebuffer_for
+from kazeia_stream.stages.sinks import play
 
 SR = SAMPLE_RATE
 
@@ -216,3 +218,26 @@ async def test_drain_from_trio(pulse_null_sink) -> None:
             await player.drain()
         assert scope.cancelled_caught
         player.flush()
+
+
+class SlowUtterance:
+    """`n` chunks of 80 ms, one every 160 ms: a producer at half real time."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.metrics = SimpleNamespace(cancelled=False)
+
+    async def __aiter__(self):
+        for i in range(self.n):
+            await trio.sleep(0.16)
+            yield AudioChunk(i, tone(0.08, freq=440 + 20 * i), SR)
+
+
+async def test_an_utterance_longer_than_expected_runs_dry_once_then_plays_to_the_end(pulse_null_sink):
+    with pulse_null_sink.record() as rec, AudioPlayer(SR) as player:
+        # 1.6 s of audio where 0.5 s was expected; the frame cap bounds it at 2 s.
+        await play(SlowUtterance(20), player, expected_s=0.5, longest_s=2.0)
+        assert player.underruns == 1
+    spans = [(a, b) for a, b in active_spans(rec.samples(), min_gap_s=0.03)]
+    assert len(spans) == 2, spans  # one pause, no stutter
+    assert sum(b - a for a, b in spans) / SR == pytest.approx(1.6, abs=0.03)  # nothing lost

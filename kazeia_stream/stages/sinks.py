@@ -26,18 +26,26 @@ def pcm_bytes(pcm: np.ndarray, fmt: str) -> bytes:
     return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-async def play(utterance: Utterance, player: AudioPlayer, expected_s: float) -> None:
-    """Play an utterance as it is produced. Before playback starts the pre-buffer follows the
-    measured production rate, so a machine slower than real time buffers just enough audio that
-    playback then runs to the end without a gap (`expected_s`: the utterance's estimated length)."""
+async def play(utterance: Utterance, player: AudioPlayer, expected_s: float,
+               longest_s: float | None = None) -> None:
+    """Play an utterance as it is produced.
+
+    Whenever playback waits (before it starts, or after running dry) the pre-buffer follows the
+    measured production rate and the audio still to play, so a machine slower than real time
+    buffers just enough that playback then runs to the end without a gap. `expected_s` is the
+    utterance's estimated length; once more than that is produced, `longest_s` (its frame cap)
+    is assumed instead, so an utterance longer than expected runs dry at most once.
+    """
     first = None
     produced = 0.0
     async for chunk in utterance:
         now = time.perf_counter()
         first = first or now - chunk.duration  # production started about one chunk earlier
+        played = produced - player.queued_seconds
         produced += chunk.duration
         rate = produced / max(now - first, 1e-6)
-        player.prebuffer_s = prebuffer_for(rate, expected_s)
+        length = expected_s if produced <= expected_s or longest_s is None else longest_s
+        player.prebuffer_s = prebuffer_for(rate, max(length, produced) - played)
         player.write(chunk.pcm)
     if utterance.metrics.cancelled:
         player.flush()
