@@ -124,3 +124,16 @@ async def test_bad_voice_fails_at_open(model):
     with pytest.raises(UsageError, match="unknown voice"):
         async with kazeia_stream.open(model, voice="nobody"):
             pass
+
+
+def test_frames_decoded_together_count_their_shared_span_once():
+    from kazeia_stream.channels import UtteranceMetrics
+
+    m = UtteranceMetrics()
+    m.generator.add(0, 0.0, 1.0)
+    m.generator.add(1, 1.0, 2.0)
+    m.decoder.add(0, 1.5, 2.5)  # one push decoding frames 0 and 1
+    m.decoder.add(1, 1.5, 2.5)
+    assert m.frames == 2
+    assert m.decoder.busy == pytest.approx(1.0)
+    assert m.overlap_s == pytest.approx(0.5)
