@@ -14,6 +14,7 @@ whose decode runs alone because nothing can be heard before it.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -78,7 +79,7 @@ class Session:
         self.voice, self.language, self.instruct = voice, language, instruct
         self.text_streaming = text_streaming
         self.options = options
-        self._lock = trio.Lock()  # one utterance at a time on the engines
+        self._lock = engine_lock(engines)
         self.current: Utterance | None = None
 
     def speak(self, text: str | AsyncIterable[str], *, seed: int | None = None) -> Utterance:
@@ -133,6 +134,15 @@ class Session:
                                audio, m, first_audio)
 
 
+_ENGINE_LOCKS: weakref.WeakKeyDictionary[Engines, trio.Lock] = weakref.WeakKeyDictionary()
+
+
+def engine_lock(engines: Engines) -> trio.Lock:
+    """The lock that lets one utterance at a time use a model's engines, whichever session it
+    belongs to (sessions on one model share its engines and their caches)."""
+    return _ENGINE_LOCKS.setdefault(engines, trio.Lock())
+
+
 def _leaf(exc: BaseException) -> BaseException:
     """The first real error inside (nested) exception groups."""
     while isinstance(exc, BaseExceptionGroup):
@@ -150,7 +160,8 @@ async def open(model: Model, *, voice: str | None = None, language: str = "auto"
     # compute the prompt rows all utterances share before the first text arrives.
     prompt = model.prompt("check", voice=voice, language=language, instruct=instruct)
     engines = model.engines if threads is None else Engines(model, threads)
-    await trio.to_thread.run_sync(engines.prepare, prompt)
+    async with engine_lock(engines):
+        await trio.to_thread.run_sync(engines.prepare, prompt)
     async with trio.open_nursery() as nursery:
         session = Session(model, nursery, engines, voice, language, instruct, text_streaming,
                           GenerationOptions(**generation))

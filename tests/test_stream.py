@@ -52,6 +52,21 @@ async def test_streamed_chunks_equal_the_offline_synthesis(model, offline):
         assert np.array_equal(await collect(tts.speak(TEXT)), offline)
 
 
+async def test_sessions_with_different_voices_share_a_model_one_utterance_at_a_time(model, offline):
+    eric = model.synthesize(TEXT, voice="eric", seed=5, text_streaming=True)[0]
+    results = {}
+
+    async def converse(voice: str) -> None:
+        async with kazeia_stream.open(model, voice=voice, seed=5) as tts:
+            results[voice] = [await collect(tts.speak(TEXT)) for _ in range(2)]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(converse, "ryan")
+        nursery.start_soon(converse, "eric")
+    assert all(np.array_equal(pcm, offline) for pcm in results["ryan"])
+    assert all(np.array_equal(pcm, eric) for pcm in results["eric"])
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.05])
 async def test_text_pieces_from_an_llm_give_the_same_speech(model, offline, delay):
     async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
