@@ -19,7 +19,8 @@ async def decode_frames(codec: CodecDecoder, cores: SharedCores,
     """Decode frames as they come. Frames that queued up while the decoder was busy are decoded
     together in one push (same samples, fewer and larger matrix products). The first push runs
     alone (the generator waits for it) on every core: measured on 2 cores, first audio ~50 ms
-    sooner, the next frame ~50 ms later. Later pushes take one core from libllama's calls.
+    sooner, the next frame ~50 ms later. Later pushes take the codec's own thread count
+    (one) from libllama's calls.
     Sets `first_audio` once the first chunk exists, records the decoder's trace, the time of the
     first audio and the samples produced."""
     async with frames, out:
@@ -30,7 +31,7 @@ async def decode_frames(codec: CodecDecoder, cores: SharedCores,
                 batch.append(frames.receive_nowait())
             codes = np.stack([f.codes for f in batch])
             start = time.perf_counter()
-            threads = cores.count if metrics.first_audio is None else 1
+            threads = cores.count if metrics.first_audio is None else codec.threads
             with cores.lend(threads):
                 pcm = await trio.to_thread.run_sync(codec.push, codes, threads)
             end = time.perf_counter()
