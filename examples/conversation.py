@@ -37,8 +37,9 @@ async def llm_reply(text: str, chars_per_piece: int = 4, delay: float = 0.03):
 
 async def main(model_dir: str, barge_in_after: float, out_dir: Path) -> None:
     model = kazeia_stream.load_model(model_dir)
+    runtime = await kazeia_stream.Runtime.create(model)  # loads the engines off the event loop
     out_dir.mkdir(parents=True, exist_ok=True)
-    async with kazeia_stream.open(model, voice=model.default_voice, seed=1) as tts:
+    async with runtime.open(voice=model.default_voice, seed=1) as tts:
         for turn, reply in enumerate(REPLIES):
             utterance = tts.speak(llm_reply(reply))
             pcm = []

@@ -1,16 +1,34 @@
-"""kazeia-stream: live, streaming Qwen3-TTS speech on llama.cpp."""
+"""kazeia-stream: live, streaming Qwen3-TTS speech on llama.cpp.
 
-from .errors import KazeiaError, ModelFileError, UsageError
-from .model import Model, load_model
+Importing the package loads nothing heavy (no libllama, no trio): the names below resolve on
+first use.
+"""
 
-__all__ = ["KazeiaError", "Model", "ModelFileError", "UsageError", "load_model", "open"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import EmptyTextError, KazeiaError, ModelFileError, UsageError
+
+if TYPE_CHECKING:
+    from .engine.threads import Threads
+    from .model import Model, load_model
+    from .runtime import Runtime
+    from .session import Session, Utterance
+
+__version__ = "0.2.0"
+
+_LAZY = {
+    "Model": ".model", "load_model": ".model", "Runtime": ".runtime", "Threads": ".engine.threads",
+    "Session": ".session", "Utterance": ".session",
+}
+
+__all__ = ["EmptyTextError", "KazeiaError", "Model", "ModelFileError", "Runtime", "Session",
+           "Threads", "UsageError", "Utterance", "load_model"]
 
 
-def __getattr__(name: str):
-    """`open` and `Session` pull in trio and the engines; import them on first use."""
-    if name in ("open", "Session", "Utterance"):
-        from . import stream
-
-        return getattr(stream, name)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'kazeia_stream' has no attribute {name!r}")
-__version__ = "0.1.0"

@@ -10,12 +10,12 @@ import resource
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
-from .engine.generator import GenerationOptions
+import numpy as np
 
-if TYPE_CHECKING:
-    from .model import Model
+from .engine.frames import GenerationOptions
+from .runtime import Runtime
 
 BENCH_TEXT = ("Streaming speech starts before the sentence is finished, so a listener hears the "
               "first words while the rest is still being written.")
@@ -28,7 +28,7 @@ def peak_rss_mb() -> float:
 
 
 def _figures(frames: int, audio_s: float, ttfa: float, wall: float, talker_s: float,
-             talker_steps: int, cp_s: float, decoder_s: float) -> dict:
+             talker_steps: int, cp_s: float, decoder_s: float) -> dict[str, Any]:
     n = max(frames, 1)
     return {
         "frames": frames,
@@ -45,30 +45,29 @@ def _figures(frames: int, audio_s: float, ttfa: float, wall: float, talker_s: fl
     }
 
 
-def median(results: list[dict]) -> dict:
+def median(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over repeated runs (peak memory: the largest); shared machines
     move single runs by tens of percent."""
-    def combine(key: str, values: list):
+    def combine(key: str, values: list[Any]) -> Any:
         if isinstance(values[0], dict):
             return {k: combine(k, [v[k] for v in values]) for k in values[0]}
         return max(values) if key == "peak_rss_mb" else statistics.median(values)
     return {k: combine(k, [r[k] for r in results]) for k in results[0]}
 
 
-async def run_pipeline_bench(model: Model, frames: int, repeat: int = 1,
-                             seed: int = 0) -> tuple[list[dict], list[dict]]:
+async def run_pipeline_bench(runtime: Runtime, frames: int, repeat: int = 1,
+                             seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The same figures measured through the actor pipeline (decoder overlapping the
     generator), for `repeat` utterances in one session, plus each one's per-frame trace."""
-    from . import stream
-
     results, traces = [], []
-    async with stream.open(model, voice=model.default_voice, seed=seed, max_frames=frames,
-                           ignore_eos=True) as tts:
+    async with runtime.open(voice=runtime.model.default_voice, seed=seed, max_frames=frames,
+                            ignore_eos=True) as tts:
         for _ in range(repeat):
             utterance = tts.speak(BENCH_TEXT)
             async for _chunk in utterance:
                 pass
             m = utterance.metrics
+            assert m.ttfa_s is not None and m.wall_s is not None
             results.append(_figures(m.frames, m.audio_s, m.ttfa_s, m.wall_s, m.talker_s,
                                     m.talker_steps, m.code_predictor_s, m.decoder.busy))
             t0 = m.started
@@ -81,24 +80,25 @@ async def run_pipeline_bench(model: Model, frames: int, repeat: int = 1,
     return results, traces
 
 
-def run_bench(model: Model, frames: int, seed: int = 0) -> dict:
+def run_bench(runtime: Runtime, frames: int, seed: int = 0) -> dict[str, Any]:
     """Run one utterance of `frames` frames and return the benchmark's figures."""
-    engines = model.engines
-    engines.codec.reset()
-    engines.prepare(model.prompt(BENCH_TEXT, voice=model.default_voice))  # as a session does
+    model = runtime.model
+    runtime.prepare(runtime.probe(model.default_voice, "auto", None))  # as a session does
     t_start = time.perf_counter()
     prompt = model.prompt(BENCH_TEXT, voice=model.default_voice, text_streaming=True)
-    gen = engines.generator(GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True))
-    gen.start(prompt)
+    options = GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True)
+    state = runtime.frames.start(prompt, model.text_feed(prompt), options,
+                                 np.random.default_rng(seed))
+    decoder = runtime.codec.new_state()
     ttfa = decoder_s = 0.0
     samples = 0
-    while (codes := gen.next_frame()) is not None:
+    while (codes := runtime.frames.next_frame(state)) is not None:
         t0 = time.perf_counter()
-        samples += len(engines.codec.push(codes[None]))
+        samples += len(runtime.codec.push(decoder, codes[None]))
         decoder_s += time.perf_counter() - t0
         if not ttfa:
             ttfa = time.perf_counter() - t_start
     wall = time.perf_counter() - t_start
-    t = gen.times
+    t = state.times
     return _figures(t.frames, samples / model.sample_rate, ttfa, wall, t.talker, t.talker_steps,
                     t.code_predictor, decoder_s)

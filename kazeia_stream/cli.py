@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import logging
 import os
@@ -15,9 +16,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import KazeiaError, UsageError
 from .stages.sinks import FORMATS
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
 
 log = logging.getLogger("kazeia_stream")
 
@@ -32,6 +37,22 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=os.environ.get(MODEL_ENV),
                    help=f"folder with the GGUF pair, or the talker .gguf (default: ${MODEL_ENV})")
+
+
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive, help="CPU threads for the talker and the code "
+                   "predictor (default: every core)")
+
+
+def _positive(value: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return n
 
 
 def _model_path(args: argparse.Namespace) -> str:
@@ -61,48 +82,56 @@ def cmd_voices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runtime(args: argparse.Namespace) -> Runtime:
+    """The model of --model and its engines, with --threads."""
+    from .engine.threads import Threads
+    from .model import load_model
+    from .runtime import Runtime
+
+    threads = Threads.uniform(args.threads) if args.threads is not None else None
+    return Runtime(load_model(_model_path(args)), threads)
+
+
 def cmd_speak(args: argparse.Namespace) -> int:
     import trio
 
     from . import live
-    from .engine.synthesis import Engines, Threads
-    from .model import load_model
 
     if args.pipe and (args.text is not None or args.output):
         raise UsageError("--pipe reads the text from stdin and writes PCM to stdout: no TEXT or -o")
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
-    model = load_model(_model_path(args))
-    if args.threads:
-        model.engines = Engines(model, Threads(args.threads, args.threads))
+    runtime = _runtime(args)
     session = dict(voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed,
                    text_streaming=True)
     if args.pipe:
-        return trio.run(functools.partial(live.pipe, model, args.format, **session))
+        return trio.run(functools.partial(live.pipe, runtime, args.format, **session))
     if args.output:
-        return write_file(model, args)
-    return trio.run(functools.partial(live.speak_live, model, args.text, device=_device(args.device),
-                                      **session))
+        return write_file(runtime, args)
+    return trio.run(functools.partial(live.speak_live, runtime, args.text,
+                                      device=_device(args.device), **session))
 
 
 def _device(device: str | None) -> str | int | None:
     return int(device) if device is not None and device.isdigit() else device
 
 
-def write_file(model, args: argparse.Namespace) -> int:
+def write_file(runtime: Runtime, args: argparse.Namespace) -> int:
     """Offline synthesis into a file, frame by frame, with a progress line on a terminal."""
     from .audio_file import AudioFileWriter
-    from .engine.generator import GenerationOptions
-    from .engine.synthesis import audio
+    from .engine.frames import GenerationOptions
 
-    prompt = model.prompt(args.text, voice=args.voice, language=args.language,
-                          instruct=args.instruct, text_streaming=args.text_streaming)
-    progress = Progress(model.sample_rate)
-    with AudioFileWriter(args.output, model.sample_rate) as out:
-        for pcm in audio(model.engines, prompt, GenerationOptions(seed=args.seed)):
-            out.write(pcm)
+    rate = runtime.model.sample_rate
+    pcm = runtime.audio(args.text, voice=args.voice, language=args.language,
+                        instruct=args.instruct, text_streaming=args.text_streaming,
+                        options=GenerationOptions(seed=args.seed))
+    first = next(pcm, None)  # a bad text or voice fails before the file is created
+    progress = Progress(rate)
+    with AudioFileWriter(args.output, rate) as out:
+        for chunk in itertools.chain([] if first is None else [first], pcm):
+            out.write(chunk)
             progress.update(out.frames)
-    progress.close(f"wrote {args.output}: {out.frames / model.sample_rate:.2f} s")
+    progress.close(f"wrote {args.output}: {out.frames / rate:.2f} s")
     return 0
 
 
@@ -152,18 +181,18 @@ def cmd_dump(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .engine.dump import dump
-    from .model import load_model
 
-    model = load_model(_model_path(args))
+    runtime = _runtime(args)
+    model = runtime.model
     codes = np.load(args.codes)
     if codes.ndim != 2 or codes.shape[1] != model.config.codec.num_quantizers or len(codes) == 0:
         raise UsageError(f"{args.codes}: expected integer codes [N, {model.config.codec.num_quantizers}], "
                          f"got shape {codes.shape}")
-    if args.chunk < 1:
-        raise UsageError("--chunk must be at least 1")
     prompt = model.prompt(args.text, voice=args.voice, language=args.language,
                           instruct=args.instruct, text_streaming=args.text_streaming)
-    np.savez(args.out, **dump(model.engines, prompt, codes, args.chunk))
+    arrays = dump(runtime.talker, runtime.code_predictor, runtime.codec, prompt,
+                  model.text_feed(prompt), codes, args.chunk)
+    np.savez(args.out, **arrays)
     return 0
 
 
@@ -177,7 +206,8 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--text-streaming", action=argparse.BooleanOptionalAction, default=True,
                    help="streaming text feeding (default) or the whole text in the prefill")
     p.add_argument("--codes", required=True, help=".npy file of integer codes [N, 16]")
-    p.add_argument("--chunk", type=int, default=1, help="frames per decoder push for audio_streamed")
+    p.add_argument("--chunk", type=_positive, default=1, help="frames per decoder push for audio_streamed")
+    _add_threads(p)
     p.add_argument("--out", required=True, help="output .npz")
     p.set_defaults(func=cmd_dump)
     return p
@@ -185,18 +215,14 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import median, run_bench
-    from .engine.synthesis import Engines, Threads
-    from .model import load_model
 
-    model = load_model(_model_path(args))
-    if args.threads:
-        model.engines = Engines(model, Threads(args.threads, args.threads))
+    runtime = _runtime(args)
     if args.pipeline:
         import trio
 
         from .bench import run_pipeline_bench
 
-        results, traces = trio.run(run_pipeline_bench, model, args.frames, args.repeat)
+        results, traces = trio.run(run_pipeline_bench, runtime, args.frames, args.repeat)
         if args.trace:
             Path(args.trace).write_text(json.dumps(traces if args.repeat > 1 else traces[0]))
         result = median(results)
@@ -206,7 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s",
               file=sys.stderr)
     else:
-        results = [run_bench(model, args.frames) for _ in range(args.repeat)]
+        results = [run_bench(runtime, args.frames) for _ in range(args.repeat)]
         result = median(results)
     if args.repeat > 1:
         ttfa = sorted(r["ttfa_s"] for r in results)
@@ -226,12 +252,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time to first audio, real-time factor, per-stage cost")
     _add_model(p)
-    p.add_argument("--frames", type=int, default=40, help="frames to generate, EOS ignored (default 40)")
-    p.add_argument("--threads", type=int, help="threads for the talker and the code predictor")
+    p.add_argument("--frames", type=_positive, default=40, help="frames to generate, EOS ignored (default 40)")
+    _add_threads(p)
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     p.add_argument("--pipeline", action="store_true",
                    help="measure through the streaming actor pipeline (decoder overlapping)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=_positive, default=1,
                    help="run N utterances and report each figure's median (default 1)")
     p.add_argument("--trace", help="with --pipeline: write per-frame stage start/end times (JSON; "
                                    "a list of them with --repeat)")
@@ -264,7 +290,7 @@ def speak_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS, default="s16le",
                    help="--pipe PCM format, 24 kHz mono (default s16le)")
     p.add_argument("--device", help="audio output device, by index or name (default: the system's)")
-    p.add_argument("--threads", type=int, help="CPU threads for the talker and the code predictor")
+    _add_threads(p)
     _add_model(p)
     _add_voice(p)
     p.add_argument("--seed", type=int, help="random seed: the same seed gives the same audio")

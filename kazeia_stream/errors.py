@@ -11,3 +11,7 @@ class ModelFileError(KazeiaError):
 
 class UsageError(KazeiaError):
     """Bad input from the caller: empty text, unknown voice or language, and the like."""
+
+
+class EmptyTextError(UsageError):
+    """The text to speak is empty or only whitespace (a blank line in `--pipe` is skipped)."""

@@ -7,13 +7,13 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
+from typing import Any
 
 import trio
 
-from . import stream
-from .engine.generator import frame_cap
-from .errors import UsageError
-from .model import Model
+from .engine.frames import frame_cap
+from .errors import EmptyTextError, UsageError
+from .runtime import Runtime
 from .stages.playback import AudioPlayer
 from .stages.sinks import play, write_pcm
 
@@ -22,14 +22,14 @@ log = logging.getLogger(__name__)
 SECONDS_PER_TOKEN = 0.3  # a typical speaking pace, for the pre-buffer estimate
 
 
-async def speak_live(model: Model, text: str, *, device: str | int | None, **session) -> int:
+async def speak_live(runtime: Runtime, text: str, *, device: str | int | None, **session: Any) -> int:
     """Speak `text` through the sound card as soon as audio exists."""
-    n_tokens = model.prompt(text, voice=session.get("voice"),
-                            language=session.get("language", "auto")).n_text_tokens
+    model = runtime.model
+    n_tokens = model.count_tokens(text)
     frame_s = model.config.codec.samples_per_frame / model.sample_rate
-    longest_s = frame_s * frame_cap(n_tokens, int(model.config.generation["max_new_tokens"]))
+    longest_s = frame_s * frame_cap(n_tokens, model.config.generation.max_new_tokens)
     with AudioPlayer(model.sample_rate, device=device) as player:
-        async with stream.open(model, **session) as tts:
+        async with runtime.open(**session) as tts:
             utterance = tts.speak(text)
             await play(utterance, player, SECONDS_PER_TOKEN * n_tokens, longest_s)
             m = utterance.metrics
@@ -88,19 +88,20 @@ async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]
             yield piece
 
 
-async def pipe(model: Model, fmt: str, **session) -> int:
+async def pipe(runtime: Runtime, fmt: str, **session: Any) -> int:
     """Read text from stdin (a line is an utterance) and write raw PCM to stdout, nothing
     else, flushed per chunk. A closed stdout ends it quietly."""
     lines_send, lines = trio.open_memory_channel[trio.MemoryReceiveChannel[str]](LINE_BUFFER)
     out = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
-    async with out, stream.open(model, **session) as tts, trio.open_nursery() as nursery:
+    async with out, runtime.open(**session) as tts, trio.open_nursery() as nursery:
         nursery.start_soon(read_lines, sys.stdin.fileno(), lines_send)
         async for line in lines:
             try:
                 await write_pcm(tts.speak(_pieces(line)), out, fmt)
+            except EmptyTextError:  # blank lines are simply skipped
+                pass
             except UsageError as e:
-                if "empty" not in str(e):  # blank lines are simply skipped
-                    print(f"kazeia-stream: {e}", file=sys.stderr)
+                print(f"kazeia-stream: {e}", file=sys.stderr)
             except (trio.BrokenResourceError, BrokenPipeError):
                 nursery.cancel_scope.cancel()
                 break

@@ -91,3 +91,19 @@ def pulse_null_sink(tmp_path_factory: pytest.TempPathFactory):
             else:
                 os.environ[k] = v
         reinit_portaudio()
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime(tiny_gguf: Callable[..., tuple[Path, Path]]):
+    """`tiny_runtime(kind, out_type="f32")`: a `Runtime` (the engines) on the converted tiny
+    model, shared by the tests of a session as an application shares one."""
+    from kazeia_stream import Runtime, load_model
+
+    cache: dict[tuple[str, str], Runtime] = {}
+
+    def make(kind: str, out_type: str = "f32") -> Runtime:
+        if (kind, out_type) not in cache:
+            cache[kind, out_type] = Runtime(load_model(tiny_gguf(kind, out_type)[0]))
+        return cache[kind, out_type]
+
+    return make

@@ -20,7 +20,7 @@ MIN_ARGMAX = 0.99
 @pytest.fixture(scope="module", params=KINDS)
 def case(request, tiny_gguf):
     model = kazeia_stream.load_model(tiny_gguf(request.param)[0])
-    cp = CodePredictor(model, threads=2)
+    cp = CodePredictor(model.mmproj_file, model.config.code_predictor, 2)
     yield model, cp, np.load(REFS / f"talker_{request.param}.npz")
     cp.close()
 
@@ -85,7 +85,7 @@ def test_frames_are_independent_and_threads_can_change(case):
 
 def test_exact_mode_is_the_same_on_an_f32_file(case):
     model, cp, ref = case
-    exact = CodePredictor(model, threads=2, exact=True)
+    exact = CodePredictor(model.mmproj_file, model.config.code_predictor, 2, exact=True)
     try:
         h, codes = ref["talker_hidden"][2], ref["codes"][2]
         np.testing.assert_array_equal(exact.teacher_forced_logits(h, codes), cp.teacher_forced_logits(h, codes))
@@ -100,7 +100,7 @@ def test_f16_and_q8_0_files_stay_close_in_both_modes(tiny_gguf, out_type, tol):
     ref = np.load(REFS / "talker_custom_voice.npz")
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
     for exact in (True, False):
-        cp = CodePredictor(model, threads=1, exact=exact)
+        cp = CodePredictor(model.mmproj_file, model.config.code_predictor, 1, exact=exact)
         logits = np.stack([cp.teacher_forced_logits(h, c) for h, c in zip(ref["talker_hidden"], ref["codes"])])
         codes = ref["codes"][0]
         forced = iter(codes[1:])
@@ -133,7 +133,7 @@ def test_f16_ffn_down_input_beyond_f16_range_stays_finite(tiny_gguf, monkeypatch
     for exact, scale in ((True, None), (False, None), (False, 1.0)):
         if scale is not None:
             monkeypatch.setattr(cp_module, "_FFN_DOWN_INPUT_SCALE", scale)
-        cp = CodePredictor(model, threads=1, exact=exact)
+        cp = CodePredictor(model.mmproj_file, model.config.code_predictor, 1, exact=exact)
         results[exact, scale] = cp.teacher_forced_logits(h, codes)
         cp.close()
     exact, compact, unscaled = results[True, None], results[False, None], results[False, 1.0]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kazeia_stream.engine.codec import CodecDecoder
+from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -23,7 +24,7 @@ def reference() -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def decoder(tiny_gguf) -> CodecDecoder:
     _, mmproj = tiny_gguf("custom_voice")
-    return CodecDecoder(GGUFFile(mmproj))
+    return CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +65,27 @@ CHUNKINGS = _chunkings(80)
 def test_streaming_equals_one_shot(decoder, reference, one_shot, name):
     codes, chunks = reference["codes"], CHUNKINGS[name]
     assert sum(chunks) == len(codes) and min(chunks) >= 1
-    decoder.reset()
+    state = decoder.new_state()
     parts, start = [], 0
     for n in chunks:
-        part = decoder.push(codes[start: start + n])
+        part = decoder.push(state, codes[start: start + n])
         assert part.shape == (n * decoder.samples_per_frame,)
         parts.append(part)
         start += n
     np.testing.assert_allclose(np.concatenate(parts), one_shot, rtol=0, atol=1e-5)
 
 
-def test_reset_starts_a_fresh_utterance(decoder, reference, one_shot):
+def test_utterances_interleaved_on_one_decoder_keep_their_own_state(decoder, reference, one_shot):
     codes = reference["codes"]
-    decoder.reset()
-    decoder.push(codes[::-1][:30])  # leave state everywhere: conv tails, K/V, position 30
-    decoder.reset()
-    np.testing.assert_allclose(decoder.push(codes[:40]), one_shot[: 40 * 1920], rtol=0, atol=1e-5)
-    # decode() resets too
+    a, b = decoder.new_state(), decoder.new_state()
+    other = codes[::-1]  # another utterance, pushed between a's chunks: conv tails, K/V, positions
+    parts = []
+    for i in range(0, 40, 8):
+        parts.append(decoder.push(a, codes[i: i + 8]))
+        decoder.push(b, other[i: i + 5])
+    np.testing.assert_allclose(np.concatenate(parts), one_shot[: 40 * 1920], rtol=0, atol=1e-5)
+    assert a.position == 40 and b.position == 25
+    # decode() starts a fresh utterance, whatever the decoder did before
     np.testing.assert_allclose(decoder.decode(codes[:10]), one_shot[: 10 * 1920], rtol=0, atol=1e-5)
 
 
@@ -98,12 +103,13 @@ def test_output_is_clamped(decoder, reference):
 
 
 def test_rejects_a_wrong_shape(decoder, reference):
+    state = decoder.new_state()
     with pytest.raises(ValueError, match="codes must be"):
-        decoder.push(reference["codes"][:4, :15])
+        decoder.push(state, reference["codes"][:4, :15])
     with pytest.raises(ValueError, match="codes must be"):
-        decoder.push(reference["codes"][0])
+        decoder.push(state, reference["codes"][0])
     with pytest.raises(ValueError, match="codes must be <"):
-        decoder.push(np.full((2, 16), 2048))
+        decoder.push(state, np.full((2, 16), 2048))
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores for 2 BLAS threads")
@@ -121,10 +127,10 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
 
     monkeypatch.setattr(codec, "_matmul", spy)
     with threadpool_limits(limits=2, user_api="blas"):
-        decoder.reset()
-        decoder.push(reference["codes"][:2])
+        state = decoder.new_state()
+        decoder.push(state, reference["codes"][:2])
         assert seen and all(s == {1} for s in seen)  # whatever numpy's own setting
         seen.clear()
-        decoder.push(reference["codes"][2:4], threads=2)
+        decoder.push(state, reference["codes"][2:4], threads=2)
         assert seen and all(s == {2} for s in seen)
         assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {2}

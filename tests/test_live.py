@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import trio
 
-import kazeia_stream
 from audio import align, correlation, gain
 from kazeia_stream.stages.playback import AudioPlayer
 
@@ -22,9 +21,8 @@ def model_path(tiny_gguf) -> str:
     return str(tiny_gguf("custom_voice")[0])
 
 
-def test_cli_plays_the_speech_in_real_time(pulse_null_sink, model_path):
-    model = kazeia_stream.load_model(model_path)
-    sent = model.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
+def test_cli_plays_the_speech_in_real_time(pulse_null_sink, model_path, tiny_runtime):
+    sent = tiny_runtime("custom_voice").synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
     with pulse_null_sink.record() as rec:
         start = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "kazeia_stream", TEXT, "--model", model_path,
@@ -49,10 +47,10 @@ def test_missing_device_is_a_one_line_error(pulse_null_sink, model_path):
     assert len(err.splitlines()) == 1
 
 
-async def test_barge_in_silences_the_sound_card_within_100_ms(pulse_null_sink, model_path):
-    model = kazeia_stream.load_model(model_path)
-    with pulse_null_sink.record() as rec, AudioPlayer(model.sample_rate) as player:
-        async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_barge_in_silences_the_sound_card_within_100_ms(pulse_null_sink, tiny_runtime):
+    runtime = tiny_runtime("custom_voice")
+    with pulse_null_sink.record() as rec, AudioPlayer(runtime.model.sample_rate) as player:
+        async with runtime.open(voice="ryan", seed=5) as tts:
             utterance = tts.speak(TEXT)
             async for chunk in utterance:
                 player.write(chunk.pcm)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from kazeia_stream.engine.sampler import CodeSampler, SamplingParams, TalkerSampler, warp_and_draw
+from kazeia_stream.engine.sampler import CodeSampler, TalkerSampler, warp_and_draw
+from kazeia_stream.model.config import Sampling
 
 EOS = 2150
 
 
 def _talker(**kw) -> TalkerSampler:
-    params = kw.pop("params", SamplingParams(do_sample=False))
+    params = kw.pop("params", Sampling(do_sample=False))
     suppress = np.array([i for i in range(2048, 3072) if i != EOS])
     return TalkerSampler(params, np.random.default_rng(0), eos=EOS, suppress=suppress, **kw)
 
@@ -43,21 +44,21 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_scores():
 def test_top_k_never_draws_outside_the_k_best():
     logits = np.arange(2048, dtype=np.float32) / 100
     rng = np.random.default_rng(1)
-    draws = {warp_and_draw(logits, SamplingParams(True, 0.9, 5, 1.0), rng) for _ in range(300)}
+    draws = {warp_and_draw(logits, Sampling(True, 0.9, 5, 1.0), rng) for _ in range(300)}
     assert draws == set(range(2043, 2048))
 
 
 def test_top_p_keeps_the_smallest_set_above_p():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     rng = np.random.default_rng(2)
-    draws = {warp_and_draw(logits, SamplingParams(True, 1.0, 0, 0.7), rng) for _ in range(300)}
+    draws = {warp_and_draw(logits, Sampling(True, 1.0, 0, 0.7), rng) for _ in range(300)}
     assert draws == {0, 1}
 
 
 def test_draws_follow_the_tempered_distribution_and_the_seed():
     logits = np.log(np.array([0.6, 0.3, 0.1]))
-    a = CodeSampler(SamplingParams(True, 1.0, 50, 1.0), np.random.default_rng(7))
-    b = CodeSampler(SamplingParams(True, 1.0, 50, 1.0), np.random.default_rng(7))
+    a = CodeSampler(Sampling(True, 1.0, 50, 1.0), np.random.default_rng(7))
+    b = CodeSampler(Sampling(True, 1.0, 50, 1.0), np.random.default_rng(7))
     xs = [a(logits) for _ in range(4000)]
     assert xs == [b(logits) for _ in range(4000)]
     freq = np.bincount(xs, minlength=3) / len(xs)

@@ -11,20 +11,19 @@ import trio
 import kazeia_stream
 import llama_cpp
 from kazeia_stream import UsageError
-from kazeia_stream.engine.synthesis import Threads
-from kazeia_stream.stream import AUDIO_BUFFER, FRAME_BUFFER
+from kazeia_stream.session import AUDIO_BUFFER, FRAME_BUFFER
 
 TEXT = "Hello there, this is a tiny test of the streaming pipeline."
 
 
 @pytest.fixture(scope="module")
-def model(tiny_gguf) -> kazeia_stream.Model:
-    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+def runtime(tiny_runtime) -> kazeia_stream.Runtime:
+    return tiny_runtime("custom_voice")
 
 
 @pytest.fixture(scope="module")
-def offline(model) -> np.ndarray:
-    return model.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
+def offline(runtime) -> np.ndarray:
+    return runtime.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
 
 
 async def llm_tokens(text: str, delay: float):
@@ -34,56 +33,62 @@ async def llm_tokens(text: str, delay: float):
         yield text[i:i + 3]
 
 
+def same_audio(a: np.ndarray, b: np.ndarray) -> bool:
+    """The same frames, decoded to the decoder's streaming tolerance: frames that queue up while
+    the decoder is busy (a loaded machine) are decoded in one push, which rounds differently."""
+    return a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-5
+
+
 async def collect(utterance) -> np.ndarray:
     return np.concatenate([chunk.pcm async for chunk in utterance])
 
 
-async def test_streamed_chunks_equal_the_offline_synthesis(model, offline):
-    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_streamed_chunks_equal_the_offline_synthesis(runtime, offline):
+    async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         chunks = [c async for c in utterance]
         assert all(c.sample_rate == 24000 for c in chunks)
         assert [c.frame_index for c in chunks] == sorted({c.frame_index for c in chunks})
-        assert np.array_equal(np.concatenate([c.pcm for c in chunks]), offline)
+        assert same_audio(np.concatenate([c.pcm for c in chunks]), offline)
         m = utterance.metrics
         assert m.frames == len(offline) // 1920 and m.audio_s == pytest.approx(len(offline) / 24000)
         assert 0 < m.ttfa_s < m.wall_s and m.rtf == pytest.approx(m.wall_s / m.audio_s)
         # Several utterances in a row reuse the engines and give the same audio.
-        assert np.array_equal(await collect(tts.speak(TEXT)), offline)
+        assert same_audio(await collect(tts.speak(TEXT)), offline)
 
 
-async def test_sessions_with_different_voices_share_a_model_one_utterance_at_a_time(model, offline):
-    eric = model.synthesize(TEXT, voice="eric", seed=5, text_streaming=True)[0]
+async def test_sessions_with_different_voices_share_a_runtime_one_utterance_at_a_time(runtime, offline):
+    eric = runtime.synthesize(TEXT, voice="eric", seed=5, text_streaming=True)[0]
     results = {}
 
     async def converse(voice: str) -> None:
-        async with kazeia_stream.open(model, voice=voice, seed=5) as tts:
+        async with runtime.open(voice=voice, seed=5) as tts:
             results[voice] = [await collect(tts.speak(TEXT)) for _ in range(2)]
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(converse, "ryan")
         nursery.start_soon(converse, "eric")
-    assert all(np.array_equal(pcm, offline) for pcm in results["ryan"])
-    assert all(np.array_equal(pcm, eric) for pcm in results["eric"])
+    assert all(same_audio(pcm, offline) for pcm in results["ryan"])
+    assert all(same_audio(pcm, eric) for pcm in results["eric"])
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.05])
-async def test_text_pieces_from_an_llm_give_the_same_speech(model, offline, delay):
-    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_text_pieces_from_an_llm_give_the_same_speech(runtime, offline, delay):
+    async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(llm_tokens(TEXT, delay))
         first = None
         pcm = []
         async for chunk in utterance:
             first = first or time.perf_counter()
             pcm.append(chunk.pcm)
-        assert np.array_equal(np.concatenate(pcm), offline)
+        assert same_audio(np.concatenate(pcm), offline)
         if delay:  # speech started long before the text was complete
             text_done = utterance.metrics.started + delay * len(range(0, len(TEXT), 3))
             assert first < text_done - 0.5
 
 
-async def test_barge_in_stops_within_100_ms_and_the_session_goes_on(model, offline):
-    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_barge_in_stops_within_100_ms_and_the_session_goes_on(runtime, offline):
+    async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         got = 0
         async for _chunk in utterance:
@@ -94,11 +99,11 @@ async def test_barge_in_stops_within_100_ms_and_the_session_goes_on(model, offli
         stopped = time.perf_counter() - t0
         assert got == 2 and stopped < 0.1 and utterance.metrics.cancelled
         await utterance.done.wait()
-        assert np.array_equal(await collect(tts.speak(TEXT)), offline)
+        assert same_audio(await collect(tts.speak(TEXT)), offline)
 
 
-async def test_a_slow_consumer_holds_the_producers_back(model):
-    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_a_slow_consumer_holds_the_producers_back(runtime):
+    async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         consumed = 0
         ahead = []
@@ -111,12 +116,13 @@ async def test_a_slow_consumer_holds_the_producers_back(model):
         assert max(ahead) <= FRAME_BUFFER + AUDIO_BUFFER + 2
 
 
-async def test_the_decoder_overlaps_the_generator_after_the_first_frame(model, monkeypatch):
+@pytest.mark.skipif(kazeia_stream.Threads.default().cores < 2, reason="lends a core: needs 2")
+async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime, monkeypatch):
     threads = []  # libllama's thread count, each time it changes
     set_threads = llama_cpp.llama_set_n_threads
     monkeypatch.setattr(llama_cpp, "llama_set_n_threads",
                         lambda ctx, n, n_batch: threads.append(n) or set_threads(ctx, n, n_batch))
-    async with kazeia_stream.open(model, voice="ryan", seed=5, threads=Threads(2, 2)) as tts:
+    async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         await collect(utterance)
         gen = utterance.metrics.generator.spans
@@ -125,19 +131,21 @@ async def test_the_decoder_overlaps_the_generator_after_the_first_frame(model, m
         overlapping = sum(1 for _, d0, d1 in dec for _, g0, g1 in gen if d0 < g1 and g0 < d1)
         assert overlapping > 0
         # libllama's calls gave a core to the decoder beside them, and took it back
-        assert 1 in threads and threads[-1] == 2
+        cores = runtime.threads.cores
+        lent = threads.index(cores - 1)
+        assert cores in threads[lent:] and runtime.cores.lent == 0
 
 
-async def test_errors_surface_in_the_iteration_and_the_session_survives(model, offline):
-    async with kazeia_stream.open(model, voice="ryan", seed=5) as tts:
+async def test_errors_surface_in_the_iteration_and_the_session_survives(runtime, offline):
+    async with runtime.open(voice="ryan", seed=5) as tts:
         with pytest.raises(UsageError, match="empty"):
             await collect(tts.speak(llm_tokens("   ", 0)))
-        assert np.array_equal(await collect(tts.speak(TEXT)), offline)
+        assert same_audio(await collect(tts.speak(TEXT)), offline)
 
 
-async def test_bad_voice_fails_at_open(model):
+async def test_bad_voice_fails_at_open(runtime):
     with pytest.raises(UsageError, match="unknown voice"):
-        async with kazeia_stream.open(model, voice="nobody"):
+        async with runtime.open(voice="nobody"):
             pass
 
 

@@ -13,15 +13,15 @@ import soundfile as sf
 
 import kazeia_stream
 from kazeia_stream.bench import median
-from kazeia_stream.engine.generator import frame_cap
+from kazeia_stream.engine.frames import frame_cap
 
 REFS = Path(__file__).parent / "data" / "refs"
 TEXT = "Hello there, this is a tiny test."
 
 
 @pytest.fixture(scope="module")
-def model(tiny_gguf) -> kazeia_stream.Model:
-    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+def runtime(tiny_runtime) -> kazeia_stream.Runtime:
+    return tiny_runtime("custom_voice")
 
 
 def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -29,25 +29,25 @@ def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
                           timeout=300, **kw)
 
 
-def test_synthesize_is_seeded_and_capped(model):
-    audio, rate = model.synthesize(TEXT, voice="ryan", seed=3)
-    again, _ = model.synthesize(TEXT, voice="ryan", seed=3)
-    other, _ = model.synthesize(TEXT, voice="ryan", seed=4)
+def test_synthesize_is_seeded_and_capped(runtime):
+    audio, rate = runtime.synthesize(TEXT, voice="ryan", seed=3)
+    again, _ = runtime.synthesize(TEXT, voice="ryan", seed=3)
+    other, _ = runtime.synthesize(TEXT, voice="ryan", seed=4)
     assert rate == 24000 and audio.dtype == np.float32
     assert len(audio) % 1920 == 0 and len(audio) > 0
-    n_tokens = model.prompt(TEXT).n_text_tokens
+    n_tokens = runtime.model.count_tokens(TEXT)
     assert len(audio) // 1920 <= frame_cap(n_tokens, 8192)
     assert np.array_equal(audio, again)
     assert not (len(audio) == len(other) and np.array_equal(audio, other))
     assert np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 1e-3
 
 
-def test_ignore_eos_gives_exactly_max_frames(model):
-    audio, _ = model.synthesize(TEXT, voice="ryan", seed=0, max_frames=7, ignore_eos=True)
+def test_ignore_eos_gives_exactly_max_frames(runtime):
+    audio, _ = runtime.synthesize(TEXT, voice="ryan", seed=0, max_frames=7, ignore_eos=True)
     assert len(audio) == 7 * 1920
 
 
-def test_cli_writes_a_wav_equal_to_the_api(model, tiny_gguf, tmp_path):
+def test_cli_writes_a_wav_equal_to_the_api(runtime, tiny_gguf, tmp_path):
     out = tmp_path / "out.wav"
     r = run_cli(TEXT, "-o", str(out), "--model", str(tiny_gguf("custom_voice")[0]),
                 "--voice", "ryan", "--seed", "3")
@@ -56,7 +56,7 @@ def test_cli_writes_a_wav_equal_to_the_api(model, tiny_gguf, tmp_path):
     info = sf.info(str(out))
     assert info.samplerate == 24000 and info.channels == 1 and info.format == "WAV"
     pcm, _ = sf.read(str(out), dtype="float32")
-    audio, _ = model.synthesize(TEXT, voice="ryan", seed=3)
+    audio, _ = runtime.synthesize(TEXT, voice="ryan", seed=3)
     assert len(pcm) == len(audio)
     assert np.abs(pcm - audio).max() <= 1.5 / 32768  # 16-bit PCM rounding
 

@@ -10,6 +10,7 @@ import pytest
 
 import kazeia_stream
 from kazeia_stream.engine.dump import teacher_forced_talker
+from kazeia_stream.engine.talker import TalkerState
 
 REFS = Path(__file__).parent / "data" / "refs"
 
@@ -21,30 +22,37 @@ def _case_prompt(model: kazeia_stream.Model, ref) -> kazeia_stream.model.prompt.
 
 
 @pytest.mark.parametrize("kind", ["custom_voice", "voice_design"])
-def test_teacher_forced_talker_matches_the_official_logits(kind, tiny_gguf):
+def test_teacher_forced_talker_matches_the_official_logits(kind, tiny_runtime):
     ref = np.load(REFS / f"talker_{kind}.npz")
-    model = kazeia_stream.load_model(tiny_gguf(kind)[0])
-    prompt = _case_prompt(model, ref)
+    runtime = tiny_runtime(kind)
+    prompt = _case_prompt(runtime.model, ref)
     assert np.abs(prompt.prefill - ref["prefill"]).max() < 1e-5
-    logits, hidden = teacher_forced_talker(model.engines, prompt, ref["codes"])
+    logits, hidden = teacher_forced_talker(runtime.talker, runtime.code_predictor, prompt,
+                                           runtime.model.text_feed(prompt), ref["codes"])
     assert np.abs(logits - ref["talker_logits"]).max() <= 1e-3
     assert np.abs(hidden - ref["talker_hidden"]).max() <= 1e-3
     assert (logits.argmax(-1) == ref["talker_logits"].argmax(-1)).mean() >= 0.99
 
 
-def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_gguf):
-    model = kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
-    talker = model.engines.talker
+def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_runtime,
+                                                                                 monkeypatch):
+    runtime = tiny_runtime("custom_voice")
+    model, talker = runtime.model, runtime.talker
     rows_run = []
     forward = talker.lm.forward
-    talker.lm.forward = lambda embeds, *a: rows_run.append(len(embeds)) or forward(embeds, *a)
+    monkeypatch.setattr(talker.lm, "forward",
+                        lambda embeds, *a: rows_run.append(len(embeds)) or forward(embeds, *a))
     hello, other = (model.prompt(t, voice="ryan") for t in ("Hello there.", "Something else."))
     eric = model.prompt("Hello there.", voice="eric")
 
+    talker.prefill(TalkerState(), model.pad_embedding[None])  # no fixed rows cached
+
     def prefill(prompt):
         rows_run.clear()
-        out = talker.prefill(prompt.prefill, prompt.n_fixed)
-        talker.step(model.pad_embedding)  # leave more positions behind in the cache
+        state = TalkerState()
+        out = talker.prefill(state, prompt.prefill, prompt.n_fixed)
+        assert state.pos == len(prompt.prefill)
+        talker.step(state, model.pad_embedding)  # leave more positions behind in the cache
         return out, sum(rows_run) - 1
 
     first, n_first = prefill(hello)
@@ -59,6 +67,6 @@ def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(t
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert all(np.array_equal(a, b) for a, b in zip(other_warm, other_cold))
     # The split into two batches changes only float rounding against one batch.
-    talker.prefill(eric.prefill)
-    whole = talker.prefill(other.prefill)
+    talker.prefill(TalkerState(), eric.prefill)
+    whole = talker.prefill(TalkerState(), other.prefill)
     assert np.abs(whole[1] - other_warm[1]).max() < 1e-4 * np.abs(whole[1]).max()

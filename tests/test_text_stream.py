@@ -24,14 +24,14 @@ def model(tiny_gguf) -> kazeia_stream.Model:
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_pieces_give_the_tokens_of_the_whole_text(model, text, piece):
-    stream = model.text_tokens()
+    stream = model.incremental_tokenizer()
     released, early = [], 0
     for i in range(0, len(text), piece):
         released += stream.feed(text[i:i + piece])
         if i + piece < len(text):
             early = len(released)
     released += stream.finish()
-    assert released == model._encode(assistant_text(text))[3:-5]
+    assert released == model._tokens(text)[1] == model._encode(assistant_text(text))[3:-5]
     # Most tokens are released before the text is complete.
     assert early >= len(released) // 2
 
@@ -41,6 +41,14 @@ def test_streaming_prompt_equals_the_whole_text_prompt(model):
     whole = model.prompt(text, voice="ryan", language="english")
     ids = model._encode(assistant_text(text))[3:-5]
     first = model.prompt_from_tokens(ids[:1], voice="ryan", language="english", text_complete=False)
-    rows = np.concatenate([first.trailing, model.text_embeddings(ids[1:]), model.eos_embedding[None]])
+    feed = model.text_feed(first)
+    assert feed.row(0) is None and not feed.complete  # nothing to read yet: wait, never PAD
+    feed.add(ids[1:4], complete=False)
+    feed.add(ids[4:], complete=True)
     assert np.array_equal(first.prefill, whole.prefill)
-    assert np.array_equal(rows, whole.trailing)
+    assert np.array_equal(feed.trailing, whole.trailing)  # the text rows, then EOS
+    n = len(whole.trailing)
+    assert np.array_equal(feed.row(n - 1), model.text_embeddings([model.config.text_ids.tts_eos])[0])
+    assert np.array_equal(feed.row(n), model.pad_embedding)  # then PAD, for ever
+    assert np.array_equal(feed.row(n + 50), model.pad_embedding)
+    assert feed.n_tokens == len(ids) == whole.n_text_tokens

@@ -17,19 +17,30 @@ import numpy as np
 
 import kazeia_stream
 from kazeia_stream.engine.dump import teacher_forced_talker
+from kazeia_stream.engine.frames import GenerationOptions
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it rests in the warm afternoon sun."
 
 
-def greedy_codes(model: kazeia_stream.Model, text: str, frames: int) -> tuple[np.ndarray, np.ndarray]:
-    from kazeia_stream.engine.generator import GenerationOptions
-    from kazeia_stream.engine.synthesis import frames as frame_iter
-
+def greedy_codes(runtime: kazeia_stream.Runtime, text: str, frames: int) -> tuple[np.ndarray, np.ndarray]:
+    model = runtime.model
     prompt = model.prompt(text, voice=model.default_voice, text_streaming=True)
     opts = GenerationOptions(seed=0, do_sample=False, subtalker_do_sample=False,
                              max_frames=frames, ignore_eos=True)
-    codes = np.stack(list(frame_iter(model.engines, prompt, opts)))
-    return codes, model.engines.codec.decode(codes)
+    state = runtime.frames.start(prompt, model.text_feed(prompt), opts, np.random.default_rng(0))
+    codes = np.stack(list(iter(lambda: runtime.frames.next_frame(state), None)))
+    return codes, runtime.codec.decode(codes)
+
+
+def teacher_forced(runtime: kazeia_stream.Runtime, text: str,
+                   codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Talker logits [N, vocab] and code predictor logits [N, 15, vocab] along `codes`."""
+    model = runtime.model
+    prompt = model.prompt(text, voice=model.default_voice)
+    logits, hidden = teacher_forced_talker(runtime.talker, runtime.code_predictor, prompt,
+                                           model.text_feed(prompt), codes)
+    cp = np.stack([runtime.code_predictor.teacher_forced_logits(h, c) for h, c in zip(hidden, codes)])
+    return logits, cp
 
 
 def main() -> None:
@@ -39,15 +50,12 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--text", default=TEXT)
     args = ap.parse_args()
-    ref, other = kazeia_stream.load_model(args.reference), kazeia_stream.load_model(args.other)
+    ref, other = (kazeia_stream.Runtime(kazeia_stream.load_model(path))
+                  for path in (args.reference, args.other))
 
     codes, audio = greedy_codes(ref, args.text, args.frames)
-    prompt_r = ref.prompt(args.text, voice=ref.default_voice)
-    prompt_o = other.prompt(args.text, voice=other.default_voice)
-    lr, hr = teacher_forced_talker(ref.engines, prompt_r, codes)
-    lo, ho = teacher_forced_talker(other.engines, prompt_o, codes)
-    cp_r = np.stack([ref.engines.code_predictor.teacher_forced_logits(h, c) for h, c in zip(hr, codes)])
-    cp_o = np.stack([other.engines.code_predictor.teacher_forced_logits(h, c) for h, c in zip(ho, codes)])
+    lr, cp_r = teacher_forced(ref, args.text, codes)
+    lo, cp_o = teacher_forced(other, args.text, codes)
     print(f"teacher-forced talker: argmax agreement {np.mean(lr.argmax(-1) == lo.argmax(-1)):.3f}, "
           f"max |logit diff| {np.abs(lr - lo).max():.4f}")
     print(f"teacher-forced code predictor: argmax agreement {np.mean(cp_r.argmax(-1) == cp_o.argmax(-1)):.3f}, "

@@ -6,21 +6,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.frames import StageTimes
+
 
 @dataclass(frozen=True)
 class TextTokens:
-    """Token ids of the text to speak, in order, final; `complete` on the last message."""
+    """Token ids of the text to speak, in order, final; `segment_end` on the last message of
+    each segment (a long text is spoken as several)."""
 
     ids: list[int]
-    complete: bool
+    segment_end: bool
 
 
 @dataclass(frozen=True)
 class Frame:
-    """The 16 codes of one 80 ms frame, numbered from 0 within the utterance."""
+    """The 16 codes of one 80 ms frame, numbered from 0 within the utterance; `new_segment` on
+    the first frame of each segment, which starts a new decoder state."""
 
     index: int
     codes: np.ndarray
+    new_segment: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,13 @@ class UtteranceMetrics:
     code_predictor_s: float = 0.0
     generator: StageTrace = field(default_factory=StageTrace)
     decoder: StageTrace = field(default_factory=StageTrace)
+
+    def add_times(self, times: StageTimes) -> None:
+        """A segment's engine times."""
+        self.prefill_s += times.prefill
+        self.talker_s += times.talker
+        self.talker_steps += times.talker_steps
+        self.code_predictor_s += times.code_predictor
 
     @property
     def frames(self) -> int:

@@ -21,7 +21,9 @@ read per pass at 0.6B: F16 file 189 -> 157 MB, Q8_0 file 130 -> 84 MB; the passe
 The KV cache is F16 then. `exact=True` keeps every stored type and an F32 KV cache (hidden states
 within ~1e-6 of float32). An all-F32 file is the same either way.
 
-One CodePredictor serves one thread at a time (the output tensor's pointer is per-decode state).
+No state survives a call: each frame's passes restart at position 0 and each decode points the
+output tensor at its head first. One CodePredictor serves one thread at a time (the runtime's
+lock), since that pointer and the KV cache are the engine's scratch space.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from gguf.quants import dequantize, quantize
 from ..errors import ModelFileError
 from ..ggml_lib import GGMLTensor, GGUFInitParams, ggml
 from ..model import gguf_layout as L
-from ..model import llama as _llama  # noqa: F401  (routes llama.cpp's log, inits the backend)
+from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile
-from .llm import EmbeddingLM, LMOptions, SharedCores
+from ..model.llama import init_backend
+from .llm import EmbeddingLM, LMOptions
+from .threads import SharedCores
 
 ARCH = "qwen3"
 # Positions per frame: the 2-token prefill and 14 steps.
@@ -114,7 +118,7 @@ class _Plan:
         return int(np.prod(rows, dtype=np.int64)) * (cols // block * type_size)
 
 
-def _metadata(plan: _Plan, cfg) -> bytes:
+def _metadata(plan: _Plan, cfg: CodePredictorConfig) -> bytes:
     """A metadata-only GGUF (KV pairs and tensor infos, no data) describing the LM as `qwen3`.
     libllama takes the shapes from the hyperparameters and each tensor's type from its info."""
     with tempfile.TemporaryDirectory(prefix="kazeia-cp-") as tmp:
@@ -191,9 +195,11 @@ class _Weights:
         ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, nbytes)
 
 
-def build_llama_model(f: GGUFFile, cfg, exact: bool = False) -> tuple[llama_cpp.llama_model_p, int]:
+def build_llama_model(f: GGUFFile, cfg: CodePredictorConfig,
+                      exact: bool = False) -> tuple[llama_cpp.llama_model_p, int]:
     """A libllama `qwen3` model holding the code predictor (weights copied), and the address of
     its output tensor (struct ggml_tensor), whose data pointer selects the head."""
+    init_backend()
     plan = _Plan(f, cfg.num_layers, exact)
     header = _metadata(plan, cfg)
     buf = ctypes.create_string_buffer(header, len(header))
@@ -242,10 +248,9 @@ class _Table:
 class CodePredictor:
     """Codebooks 1..15 of each frame, and the talker's next input embedding."""
 
-    def __init__(self, model, threads: int = 2, exact: bool = False,
+    def __init__(self, f: GGUFFile, cfg: CodePredictorConfig, threads: int, exact: bool = False,
                  cores: SharedCores | None = None) -> None:
-        f: GGUFFile = model.mmproj_file
-        self.config = cfg = model.config.code_predictor
+        self.config = cfg
         self.n_groups = cfg.num_code_groups - 1
         self.vocab_size = cfg.vocab_size
         self._embd = _Table(f, L.CP_EMBD)  # [15, 2048, talker hidden]
@@ -263,7 +268,7 @@ class CodePredictor:
         self._output = GGMLTensor.from_address(output)
         kv_f32 = exact or f.tensor_type(L.CP_FFN_UP.format(bid=0)) == QType.F32
         self._lm = EmbeddingLM(self._model, cfg.hidden_size, cfg.vocab_size, 1,
-                               LMOptions(n_ctx=_N_POS, n_batch=_N_POS, threads=threads, kv_f32=kv_f32),
+                               LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS, kv_f32=kv_f32),
                                cores)
 
     def close(self) -> None:
@@ -288,9 +293,12 @@ class CodePredictor:
         return np.einsum("oi,ni->no", self._proj_w, x) + self._proj_b
 
     def _step(self, x: np.ndarray, codebook: int) -> np.ndarray:
-        """Feed rows x (talker width); logits of `codebook` at the last row."""
+        """Feed rows x (talker width) after the frame's earlier inputs (codebook 1: the first
+        two rows at position 0, codebook j: one row at position j); logits of `codebook` at
+        the last row."""
         self._output.data = self._heads.ctypes.data + (codebook - 1) * self._head_bytes
-        return self._lm.forward(self._project(x))[1]
+        pos = 0 if codebook == 1 else codebook
+        return self._lm.forward(self._project(x), pos)[1]
 
     def predict(self, hidden: np.ndarray, code0: int,
                 sample: Callable[[np.ndarray], int]) -> tuple[np.ndarray, np.ndarray]:
@@ -299,7 +307,7 @@ class CodePredictor:
         codes = np.empty(self.n_groups + 1, dtype=np.int64)
         codes[0] = code0
         x = np.stack([np.asarray(hidden, dtype=np.float32), self._talker_embd.row(int(code0))])
-        self._lm.reset(clear_data=False)
+        self._lm.clear(clear_data=False)
         for j in range(1, self.n_groups + 1):
             code = int(sample(self._step(x, j)))
             if not 0 <= code < self.vocab_size:
@@ -314,7 +322,7 @@ class CodePredictor:
         codes = np.asarray(codes)
         x = np.stack([np.asarray(hidden, dtype=np.float32), self._talker_embd.row(int(codes[0]))])
         logits = np.empty((self.n_groups, self.vocab_size), dtype=np.float32)
-        self._lm.reset(clear_data=False)
+        self._lm.clear(clear_data=False)
         for j in range(1, self.n_groups + 1):
             logits[j - 1] = self._step(x, j)
             x = self._embd.row(j - 1, int(codes[j]))[None]

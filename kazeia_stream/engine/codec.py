@@ -2,8 +2,9 @@
 
 Exact and streaming. Every stage of Qwen3-TTS-Tokenizer-12Hz's decoder is causal, so a sequence
 decoded in chunks of any sizes gives the samples of the one-shot decode (to float rounding),
-provided each layer keeps its own state between calls (the explicit-state style of Kyutai's
-moshi streaming modules):
+provided each layer's state is carried between calls. The layers hold weights only; an
+utterance's state is a `DecoderState` (`CodecDecoder.new_state()`), made of each layer's
+own state object, as in Kyutai's moshi streaming modules:
 
 - a causal convolution keeps its last (k - 1) * dilation input columns;
 - a transposed convolution (kernel 2 * stride) keeps the (k - stride) output columns that the
@@ -12,7 +13,7 @@ moshi streaming modules):
   and the transformer keeps the absolute RoPE position (positions count from the start of the
   utterance, as in the official one-shot decode).
 
-One path, `CodecDecoder.push`, serves streaming and one-shot decoding. The official semantics
+One path, `CodecDecoder.push(state, codes)`, serves streaming and one-shot decoding. The official semantics
 kept here: negative codes clamp to 0, the transposed convolutions trim (k - s) samples on the
 right only, the sliding window lets a query at t see keys t - window + 1 .. t, the output is
 clamped to [-1, 1].
@@ -33,12 +34,14 @@ the tensor shapes, so the tiny test models run through the same code as the real
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
+from .threads import DECODER_THREADS
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
 OFFICIAL_HEAD_DIM = 64
@@ -138,18 +141,15 @@ class Linear:
 # Stateful convolutions
 # ---------------------------------------------------------------------------------------------
 
-class _ContextBuffer:
-    """The input of a causal convolution, [C, context + n]: `context` columns of left context
-    (the previous inputs; zeros at the start of an utterance), then the n new columns. The
-    producer writes them into `input(n)`; after the layer ran, `advance(n)` keeps the last
+class ContextBuffer:
+    """A causal convolution's state and input, [C, context + n]: `context` columns of left
+    context (the previous inputs; zeros at the start of an utterance), then the n new columns.
+    The producer writes them into `input(n)`; after the layer ran, `advance(n)` keeps the last
     `context` columns."""
 
     def __init__(self, context: int, channels: int) -> None:
         self.context, self.channels = context, channels
         self.buf = np.zeros((channels, context), F32)
-
-    def reset(self) -> None:
-        self.buf[:, : self.context] = 0
 
     def input(self, n: int) -> np.ndarray:
         if self.buf.shape[1] != self.context + n:
@@ -174,17 +174,14 @@ class CausalConv:
         self.k, self.dilation = k, dilation
         self.taps = np.ascontiguousarray(weight.transpose(2, 0, 1), dtype=F32)  # [k, C_out, C_in]
         self.bias = bias.astype(F32)[:, None]
-        self.state = _ContextBuffer((k - 1) * dilation, c_in)
+        self.context, self.c_in = (k - 1) * dilation, c_in
 
-    def reset(self) -> None:
-        self.state.reset()
+    def new_state(self) -> ContextBuffer:
+        return ContextBuffer(self.context, self.c_in)
 
-    def input(self, n: int) -> np.ndarray:
-        """Where to write the next n input columns before `run(n)`."""
-        return self.state.input(n)
-
-    def run(self, n: int) -> np.ndarray:
-        buf, d = self.state.buf, self.dilation
+    def run(self, state: ContextBuffer, n: int) -> np.ndarray:
+        """The output for the n columns written into `state.input(n)`."""
+        buf, d = state.buf, self.dilation
         y = _matmul(self.taps[0], buf[:, 0:n])
         if self.k > 1:
             t = np.empty_like(y)
@@ -192,12 +189,12 @@ class CausalConv:
                 _matmul(self.taps[j], buf[:, j * d: j * d + n], out=t)
                 y += t
         y += self.bias
-        self.state.advance(n)
+        state.advance(n)
         return y
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        self.input(x.shape[1])[...] = x
-        return self.run(x.shape[1])
+    def __call__(self, state: ContextBuffer, x: np.ndarray) -> np.ndarray:
+        state.input(x.shape[1])[...] = x
+        return self.run(state, x.shape[1])
 
 
 class DepthwiseCausalConv:
@@ -208,20 +205,20 @@ class DepthwiseCausalConv:
         self.k = k
         self.taps = np.ascontiguousarray(weight[:, 0, :].T, dtype=F32)[:, :, None]  # [k, C, 1]
         self.bias = bias.astype(F32)[:, None]
-        self.state = _ContextBuffer(k - 1, c)
+        self.channels = c
 
-    def reset(self) -> None:
-        self.state.reset()
+    def new_state(self) -> ContextBuffer:
+        return ContextBuffer(self.k - 1, self.channels)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, state: ContextBuffer, x: np.ndarray) -> np.ndarray:
         n = x.shape[1]
-        self.state.input(n)[...] = x
-        buf = self.state.buf
+        state.input(n)[...] = x
+        buf = state.buf
         y = buf[:, 0:n] * self.taps[0]
         for j in range(1, self.k):
             y += buf[:, j: j + n] * self.taps[j]
         y += self.bias
-        self.state.advance(n)
+        state.advance(n)
         return y
 
 
@@ -232,7 +229,8 @@ class CausalTransConv:
 
     One sgemm [k * C_out, C_in] x [C_in, n] gives Z[m, :, t], the contribution of input t to
     output t * s + m; then an overlap-add: output t * s + m = Z[m, t] (m < s) + Z[s + m, t - 1]
-    (m < k - s). Z[s:, last t] is the state carried into the next call."""
+    (m < k - s). Z[s:, last t], the tail [k - s, C_out], is the state carried into the next
+    call."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, stride: int) -> None:
         c_in, c_out, k = weight.shape
@@ -241,12 +239,11 @@ class CausalTransConv:
         self.k, self.s, self.c_out = k, stride, c_out
         self.w = np.ascontiguousarray(weight.transpose(2, 1, 0).reshape(k * c_out, c_in), dtype=F32)
         self.bias = bias.astype(F32)[:, None]
-        self.tail = np.zeros((k - stride, c_out), F32)
 
-    def reset(self) -> None:
-        self.tail[...] = 0
+    def new_state(self) -> np.ndarray:
+        return np.zeros((self.k - self.s, self.c_out), F32)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, tail: np.ndarray, x: np.ndarray) -> np.ndarray:
         n, k, s = x.shape[1], self.k, self.s
         z = _matmul(self.w, x).reshape(k, self.c_out, n)
         y = np.empty((self.c_out, n, s), F32)
@@ -255,8 +252,8 @@ class CausalTransConv:
             np.add(z[m], self.bias, out=ym)
             if m < k - s:
                 ym[:, 1:] += z[s + m, :, :-1]
-                ym[:, 0] += self.tail[m]
-        self.tail[...] = z[s:, :, -1]
+                ym[:, 0] += tail[m]
+        tail[...] = z[s:, :, -1]
         return y.reshape(self.c_out, n * s)
 
 
@@ -275,11 +272,11 @@ class ConvNeXtBlock:
         self.pw2 = Linear(*_pair(f, L.WAV_UP_PW2.format(bid=bid)))
         self.gamma = _tensor(f, L.WAV_UP_GAMMA.format(bid=bid))[:, None]
 
-    def reset(self) -> None:
-        self.dwconv.reset()
+    def new_state(self) -> ContextBuffer:
+        return self.dwconv.new_state()
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = self.dwconv(x)
+    def __call__(self, state: ContextBuffer, x: np.ndarray) -> np.ndarray:
+        h = self.dwconv(state, x)
         h -= h.mean(axis=0)
         var = np.einsum("ij,ij->j", h, h) / F32(h.shape[0])
         h *= F32(1.0) / np.sqrt(var + F32(LAYER_NORM_EPS))
@@ -301,16 +298,16 @@ class ResidualUnit:
         self.act2 = SnakeBeta(*_snake(f, L.WAV_DAC_RES_ACT2.format(**ids)))
         self.conv2 = CausalConv(*_conv(f, L.WAV_DAC_RES_CONV2.format(**ids)))
 
-    def reset(self) -> None:
-        self.conv1.reset()
-        self.conv2.reset()
+    def new_state(self) -> tuple[ContextBuffer, ContextBuffer]:
+        return self.conv1.new_state(), self.conv2.new_state()
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, state: tuple[ContextBuffer, ContextBuffer], x: np.ndarray) -> np.ndarray:
         n = x.shape[1]
-        self.act1(x, out=self.conv1.input(n))
-        h = self.conv1.run(n)
-        self.act2(h, out=self.conv2.input(n))
-        y = self.conv2.run(n)
+        s1, s2 = state
+        self.act1(x, out=s1.input(n))
+        h = self.conv1.run(s1, n)
+        self.act2(h, out=s2.input(n))
+        y = self.conv2.run(s2, n)
         y += x
         return y
 
@@ -325,15 +322,15 @@ class DecoderBlock:
         self.up = CausalTransConv(w, b, stride=w.shape[-1] // 2)
         self.units = [ResidualUnit(f, bid, xid, d) for xid, d in enumerate(DILATIONS)]
 
-    def reset(self) -> None:
-        self.up.reset()
-        for unit in self.units:
-            unit.reset()
+    def new_state(self) -> tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]:
+        return self.up.new_state(), [unit.new_state() for unit in self.units]
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = self.up(self.act(x))
-        for unit in self.units:
-            h = unit(h)
+    def __call__(self, state: tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]],
+                 x: np.ndarray) -> np.ndarray:
+        tail, units = state
+        h = self.up(tail, self.act(x))
+        for unit, unit_state in zip(self.units, units):
+            h = unit(unit_state, h)
         return h
 
 
@@ -341,10 +338,10 @@ class TransformerLayer:
     """Pre-norm attention + SiLU-gated MLP, each scaled per channel (LayerScale). Attention has
     no bias and no q/k norm, NeoX RoPE, and a causal sliding window. Activations [C, n].
 
-    State: a ring of K/V slots (after RoPE); the Transformer tracks which position each slot
-    holds and hands every layer the additive mask (0 or -inf) of the window."""
+    State: a ring of K/V slots (after RoPE), `KVRing`; the Transformer tracks which position
+    each slot holds and hands every layer the additive mask (0 or -inf) of the window."""
 
-    def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float, slots: int) -> None:
+    def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
         t = lambda name: _tensor(f, name.format(bid=bid))
         wq, wk, wv = t(L.WAV_TFM_ATTN_Q), t(L.WAV_TFM_ATTN_K), t(L.WAV_TFM_ATTN_V)
         self.head_dim, self.eps = head_dim, eps
@@ -355,32 +352,30 @@ class TransformerLayer:
         self.down = Linear(t(L.WAV_TFM_FFN_DOWN))
         self.ln1, self.ln2 = t(L.WAV_TFM_ATTN_NORM)[:, None], t(L.WAV_TFM_FFN_NORM)[:, None]
         self.ls1, self.ls2 = t(L.WAV_TFM_ATTN_SCALE)[:, None], t(L.WAV_TFM_FFN_SCALE)[:, None]
-        self.keys = np.zeros((self.n_kv, head_dim, slots), F32)  # [kv heads, head_dim, slot]
-        self.values = np.zeros((self.n_kv, head_dim, slots), F32)
 
-    def reset(self) -> None:
-        self.keys[...] = 0  # masked anyway until written; zeros keep the products finite
-        self.values[...] = 0
+    def new_state(self, slots: int) -> KVRing:
+        return KVRing(np.zeros((self.n_kv, self.head_dim, slots), F32),
+                      np.zeros((self.n_kv, self.head_dim, slots), F32))
 
-    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, slots: np.ndarray,
-                 mask: np.ndarray) -> np.ndarray:
+    def __call__(self, kv: KVRing, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 slots: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """x [C, n]; cos, sin [head_dim, n]; `slots` [n] where the new K/V go; `mask` [n, slots]."""
         n, hd, nh, nkv = x.shape[1], self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv(_rms_norm(x, self.ln1, self.eps))
         qk = _rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n), cos, sin)
-        self.keys[:, :, slots] = qk[nh:]
-        self.values[:, :, slots] = qkv[(nh + nkv) * hd:].reshape(nkv, hd, n)
+        kv.keys[:, :, slots] = qk[nh:]
+        kv.values[:, :, slots] = qkv[(nh + nkv) * hd:].reshape(nkv, hd, n)
         # grouped-query attention: the `rep` query heads of a kv head share its keys
-        rep, r = nh // nkv, self.keys.shape[2]
+        rep, r = nh // nkv, kv.keys.shape[2]
         q = qk[:nh].reshape(nkv, rep, hd, n).transpose(0, 1, 3, 2).reshape(nkv, rep * n, hd)
-        scores = (q @ self.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
+        scores = (q @ kv.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
         scores *= F32(hd ** -0.5)
         scores += mask
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
         # [nkv, hd, slot] x [nkv, slot, rep * n] -> [nkv, hd, rep, n] -> [nh * hd, n]
-        attn = self.values @ scores.reshape(nkv, rep * n, r).transpose(0, 2, 1)
+        attn = kv.values @ scores.reshape(nkv, rep * n, r).transpose(0, 2, 1)
         attn = attn.reshape(nkv, hd, rep, n).transpose(0, 2, 1, 3).reshape(nh * hd, n)
         x = x + self.ls1 * self.out(attn)
         gu = self.gate_up(_rms_norm(x, self.ln2, self.eps))
@@ -400,11 +395,29 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return y
 
 
+@dataclass
+class KVRing:
+    """A transformer layer's state: K (after RoPE) and V of the ring's slots,
+    [kv heads, head_dim, slot]. Zeros until written (masked anyway; zeros keep products finite)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+
+
+@dataclass
+class TransformerState:
+    """The absolute RoPE position, the position each K/V ring slot holds (the same in every
+    layer; far in the past when empty, outside every window), and each layer's ring."""
+
+    pos: int
+    slot_pos: np.ndarray
+    layers: list[KVRing]
+
+
 class Transformer:
-    """in_proj, the layers, final RMSNorm, out_proj. Holds the absolute RoPE position and the
-    position held by each K/V ring slot (the same in every layer): a pass of n <= `max_step`
-    frames writes slots p % slots, which (slots >= window - 1 + n) never overwrites a key that
-    a query of the pass still sees."""
+    """in_proj, the layers, final RMSNorm, out_proj. A pass of n <= `max_step` frames writes
+    slots p % slots, which (slots >= window - 1 + n) never overwrites a key that a query of the
+    pass still sees."""
 
     def __init__(self, f: GGUFFile, max_step: int = MAX_FRAMES_PER_PASS) -> None:
         key = lambda name, default: f.get(L.KEY_CODEC_PREFIX + name, default)
@@ -413,41 +426,37 @@ class Transformer:
         theta = float(key("rope_theta", OFFICIAL_ROPE_THETA))
         self.window = int(key("sliding_window", OFFICIAL_SLIDING_WINDOW))
         self.max_step = max_step
-        n_slots = self.window - 1 + max_step
+        self.n_slots = self.window - 1 + max_step
         self.in_proj = Linear(*_pair(f, L.WAV_TFM_IN_PROJ))
         self.out_proj = Linear(*_pair(f, L.WAV_TFM_OUT_PROJ))
         self.norm = _tensor(f, L.WAV_TFM_OUTPUT_NORM)[:, None]
-        self.layers = [TransformerLayer(f, bid, head_dim, self.eps, n_slots)
+        self.layers = [TransformerLayer(f, bid, head_dim, self.eps)
                        for bid in range(_count(f, L.WAV_TFM_ATTN_Q))]
         # as torch: inv_freq = 1 / theta ** (arange(0, d, 2) / d) in float32
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(F32) / F32(head_dim)
         self.inv_freq = (F32(1.0) / (F32(theta) ** exponents)).astype(F32)
-        self.slot_pos = np.empty(n_slots, np.int64)
-        self.reset()
 
-    def reset(self) -> None:
-        self.pos = 0
-        self.slot_pos[...] = -(1 << 40)  # empty: outside every window
-        for layer in self.layers:
-            layer.reset()
+    def new_state(self) -> TransformerState:
+        return TransformerState(0, np.full(self.n_slots, -(1 << 40), np.int64),
+                                [layer.new_state(self.n_slots) for layer in self.layers])
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, state: TransformerState, x: np.ndarray) -> np.ndarray:
         if x.shape[1] > self.max_step:
-            return np.concatenate([self(x[:, i: i + self.max_step])
+            return np.concatenate([self(state, x[:, i: i + self.max_step])
                                    for i in range(0, x.shape[1], self.max_step)], axis=1)
         n = x.shape[1]
-        pos = np.arange(self.pos, self.pos + n)
-        self.pos += n
+        pos = np.arange(state.pos, state.pos + n)
+        state.pos += n
         freqs = self.inv_freq[:, None] * pos.astype(F32)[None, :]
         emb = np.concatenate([freqs, freqs], axis=0)  # [head_dim, n]
         cos, sin = np.cos(emb), np.sin(emb)
-        slots = pos % len(self.slot_pos)
-        self.slot_pos[slots] = pos
-        lag = pos[:, None] - self.slot_pos[None, :]  # query position - key position
+        slots = pos % self.n_slots
+        state.slot_pos[slots] = pos
+        lag = pos[:, None] - state.slot_pos[None, :]  # query position - key position
         mask = np.where((lag >= 0) & (lag < self.window), F32(0), F32(-np.inf)).astype(F32)
         h = self.in_proj(x)
-        for layer in self.layers:
-            h = layer(h, cos, sin, slots, mask)
+        for layer, kv in zip(self.layers, state.layers):
+            h = layer(kv, h, cos, sin, slots, mask)
         return self.out_proj(_rms_norm(h, self.norm, self.eps))
 
 
@@ -479,13 +488,35 @@ class Quantizer:
 # The decoder
 # ---------------------------------------------------------------------------------------------
 
+UpsampleState = tuple[np.ndarray, ContextBuffer]  # a transposed conv's tail, a ConvNeXt's context
+BlockState = tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]
+
+
+@dataclass
+class DecoderState:
+    """One utterance's decoder state: every layer's, in the order of the layers."""
+
+    pre_conv: ContextBuffer
+    transformer: TransformerState
+    upsample: list[UpsampleState]
+    entry: ContextBuffer
+    blocks: list[BlockState]
+    post_conv: ContextBuffer
+
+    @property
+    def position(self) -> int:
+        """Frames decoded so far."""
+        return self.transformer.pos
+
+
 class CodecDecoder:
     """codes [n, 16] -> float32 audio [n * samples_per_frame], streaming with explicit state.
 
-    `push(codes)` continues the current utterance, `reset()` starts a new one, `decode(codes)` is
-    a one-shot reset + push. Chunks of any sizes give the samples of the one-shot decode."""
+    The decoder holds weights only. `new_state()` starts an utterance, `push(state, codes)`
+    continues it, `decode(codes)` is a one-shot decode of a fresh one. Chunks of any sizes give
+    the samples of the one-shot decode."""
 
-    def __init__(self, mmproj: GGUFFile, threads: int = 1) -> None:
+    def __init__(self, mmproj: GGUFFile, threads: int) -> None:
         f = mmproj
         self.threads = threads
         self._blas = ThreadpoolController().select(user_api="blas")
@@ -505,19 +536,18 @@ class CodecDecoder:
         self.samples_per_frame = int(np.prod([up.s for up, _ in self.upsample])
                                      * np.prod([blk.up.s for blk in self.blocks]))
 
-    def reset(self) -> None:
-        """Start a new utterance: zero every state, RoPE position 0."""
-        self.pre_conv.reset()
-        self.transformer.reset()
-        for up, block in self.upsample:
-            up.reset()
-            block.reset()
-        self.entry.reset()
-        for block in self.blocks:
-            block.reset()
-        self.post_conv.reset()
+    def new_state(self) -> DecoderState:
+        """A new utterance: zero context everywhere, RoPE position 0."""
+        return DecoderState(
+            pre_conv=self.pre_conv.new_state(),
+            transformer=self.transformer.new_state(),
+            upsample=[(up.new_state(), block.new_state()) for up, block in self.upsample],
+            entry=self.entry.new_state(),
+            blocks=[block.new_state() for block in self.blocks],
+            post_conv=self.post_conv.new_state(),
+        )
 
-    def push(self, codes: np.ndarray, threads: int | None = None) -> np.ndarray:
+    def push(self, state: DecoderState, codes: np.ndarray, threads: int | None = None) -> np.ndarray:
         """Decode the next frames of the utterance: codes [n, groups] -> audio [n * spf], on
         `threads` BLAS threads (default: the decoder's `threads`)."""
         codes = np.asarray(codes)
@@ -529,33 +559,33 @@ class CodecDecoder:
         done = 0
         with self._blas.limit(limits=threads or self.threads):
             for i in range(0, len(codes), MAX_FRAMES_PER_PASS):
-                for piece in self._forward(codes[i: i + MAX_FRAMES_PER_PASS].astype(np.int64)):
+                for piece in self._forward(state, codes[i: i + MAX_FRAMES_PER_PASS].astype(np.int64)):
                     out[done: done + len(piece)] = piece
                     done += len(piece)
         return out
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
         """One-shot: a fresh utterance decoded whole."""
-        self.reset()
-        return self.push(codes)
+        return self.push(self.new_state(), codes)
 
-    def _forward(self, codes: np.ndarray) -> Iterator[np.ndarray]:
+    def _forward(self, state: DecoderState, codes: np.ndarray) -> Iterator[np.ndarray]:
         """The audio of the next frames, in consecutive pieces. Up to the first decoder block a
         pass runs whole (the weights are large, the activations small); from there on in
         pieces of at most PIECE_ELEMENTS output values per block, so that the activations stay
         in the L2 cache. Every layer streams, so any split gives the same samples."""
-        h = self.pre_conv(self.quantizer(codes))
-        h = self.transformer(h)
-        for up, block in self.upsample:
-            h = block(up(h))
-        pieces = [self.entry(h)]
-        for block in self.blocks:
+        h = self.pre_conv(state.pre_conv, self.quantizer(codes))
+        h = self.transformer(state.transformer, h)
+        for (up, block), (tail, context) in zip(self.upsample, state.upsample):
+            h = block(context, up(tail, h))
+        pieces = [self.entry(state.entry, h)]
+        for block, block_state in zip(self.blocks, state.blocks):
             step = max(1, PIECE_ELEMENTS // (block.up.c_out * block.up.s))
-            pieces = [block(p[:, i: i + step]) for p in pieces for i in range(0, p.shape[1], step)]
+            pieces = [block(block_state, p[:, i: i + step])
+                      for p in pieces for i in range(0, p.shape[1], step)]
         for h in pieces:
             n = h.shape[1]
-            self.post_act(h, out=self.post_conv.input(n))
-            yield np.clip(self.post_conv.run(n).reshape(-1), -1.0, 1.0)
+            self.post_act(h, out=state.post_conv.input(n))
+            yield np.clip(self.post_conv.run(state.post_conv, n).reshape(-1), -1.0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,7 +633,8 @@ def _bench(argv: list[str] | None = None) -> None:
     ap.add_argument("per_push", nargs="*", type=int, default=[1, 4, 12])
     ap.add_argument("--frames", type=int, default=48, help="frames decoded per measurement")
     ap.add_argument("--repeat", type=int, default=3, help="measurements; the best is shown")
-    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
+    ap.add_argument("--threads", type=int, default=DECODER_THREADS,
+                    help=f"BLAS threads (default {DECODER_THREADS})")
     args = ap.parse_args(argv)
     dec = CodecDecoder(GGUFFile(args.mmproj), threads=args.threads)
     codes = np.random.default_rng(0).integers(0, dec.quantizer.codebook_size, (args.frames, dec.num_groups))
@@ -611,10 +642,10 @@ def _bench(argv: list[str] | None = None) -> None:
         dec.decode(codes[:per])  # warm up
         walls, cpus = [], []
         for _ in range(args.repeat):
-            dec.reset()
+            state = dec.new_state()
             wall, cpu = time.perf_counter(), time.process_time()
             for i in range(0, args.frames, per):
-                dec.push(codes[i: i + per])
+                dec.push(state, codes[i: i + per])
             walls.append((time.perf_counter() - wall) / args.frames * 1e3)
             cpus.append((time.process_time() - cpu) / args.frames * 1e3)
         print(f"{per:3d} frames per push: {min(walls):6.1f} ms/frame wall (best of {args.repeat}; "

@@ -6,42 +6,42 @@ gives for the same prompt and codes, so any two implementations can be compared 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from ..model.prompt import Prompt
-    from .synthesis import Engines
+from ..model.prompt import Prompt, TextFeed
+from .code_predictor import CodePredictor
+from .codec import CodecDecoder
+from .talker import Talker, TalkerState
 
 
-def teacher_forced_talker(engines: Engines, prompt: Prompt, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def teacher_forced_talker(talker: Talker, code_predictor: CodePredictor, prompt: Prompt,
+                          text: TextFeed, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(logits [N, codec vocab], hidden [N, H]): row 0 from the prefill, row t after feeding
-    frame t-1 with its trailing text row (or the pad row), as the official decode loop does."""
-    talker, cp = engines.talker, engines.code_predictor
-    pad = engines.model.pad_embedding
-    hidden, logits = talker.prefill(prompt.prefill, prompt.n_fixed)
+    frame t-1 with its text row (`TextFeed.row`), as the official decode loop does."""
+    state = TalkerState()
+    hidden, logits = talker.prefill(state, prompt.prefill, prompt.n_fixed)
     hs, ls = [hidden], [logits]
     for t in range(1, len(codes)):
-        text = prompt.trailing[t - 1] if t - 1 < len(prompt.trailing) else pad
-        hidden, logits = talker.step(cp.embed(codes[t - 1]) + text)
+        row = text.row(t - 1)
+        if row is None:
+            raise ValueError("teacher forcing needs the whole text")
+        hidden, logits = talker.step(state, code_predictor.embed(codes[t - 1]) + row)
         hs.append(hidden)
         ls.append(logits)
     return np.stack(ls), np.stack(hs)
 
 
-def dump(engines: Engines, prompt: Prompt, codes: np.ndarray, chunk: int) -> dict[str, np.ndarray]:
+def dump(talker: Talker, code_predictor: CodePredictor, codec: CodecDecoder, prompt: Prompt,
+         text: TextFeed, codes: np.ndarray, chunk: int) -> dict[str, np.ndarray]:
     """Every array of `kazeia-stream dump`, keyed as in its output file."""
     codes = np.asarray(codes, dtype=np.int64)
-    talker_logits, talker_hidden = teacher_forced_talker(engines, prompt, codes)
-    cp_logits = np.stack([engines.code_predictor.teacher_forced_logits(h, c)
+    talker_logits, talker_hidden = teacher_forced_talker(talker, code_predictor, prompt, text, codes)
+    cp_logits = np.stack([code_predictor.teacher_forced_logits(h, c)
                           for h, c in zip(talker_hidden, codes)])
-    codec = engines.codec
-    audio = codec.decode(codes)
-    codec.reset()
-    streamed = np.concatenate([codec.push(codes[i:i + chunk]) for i in range(0, len(codes), chunk)])
+    state = codec.new_state()
+    streamed = np.concatenate([codec.push(state, codes[i:i + chunk]) for i in range(0, len(codes), chunk)])
     return {
         "prefill": prompt.prefill, "trailing": prompt.trailing,
         "talker_logits": talker_logits, "talker_hidden": talker_hidden, "cp_logits": cp_logits,
-        "audio": audio, "audio_streamed": streamed,
+        "audio": codec.decode(codes), "audio_streamed": streamed,
     }

@@ -8,12 +8,12 @@ as many position rows per token as the architecture wants (4 for the talker's M-
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
+
+from .threads import SharedCores
 
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
 
@@ -23,44 +23,18 @@ class LMOptions:
     """Context settings. An F32 KV cache keeps the hidden states within ~1e-6 of a float32
     reference; F16 halves its memory."""
 
+    threads: int
     n_ctx: int = 4096
     n_batch: int = 512
-    threads: int = 2
     kv_f32: bool = True
 
 
-class SharedCores:
-    """The cores that libllama's calls share with the codec decoder running beside them.
-
-    ggml's threads meet at a barrier after every operation, so one thread waiting for a core
-    that the decoder holds stalls all the others; while the decoder works, each call runs with
-    as many threads fewer as it holds cores (measured on 2 cores, one core lent: ~7% less wall
-    time per frame in the pipeline).
-    """
-
-    def __init__(self, count: int = 1) -> None:
-        self.count = count  # the cores the engines were given
-        self.lent = 0
-
-    def threads(self, wanted: int) -> int:
-        return max(1, wanted - self.lent)
-
-    @contextmanager
-    def lend(self, n: int = 1) -> Iterator[None]:
-        """Take `n` cores away from libllama's calls while the block runs."""
-        self.lent += n
-        try:
-            yield
-        finally:
-            self.lent -= n
-
-
 class EmbeddingLM:
-    """Feeds embedding rows at consecutive positions and returns hidden states and logits."""
+    """Feeds embedding rows at given positions and returns hidden states and logits. The KV
+    cache is the context's; which positions it holds is the caller's to track."""
 
     def __init__(self, model: llama_cpp.llama_model_p, n_embd: int, n_logits: int,
-                 n_pos_per_token: int, options: LMOptions = LMOptions(),
-                 cores: SharedCores | None = None) -> None:
+                 n_pos_per_token: int, options: LMOptions, cores: SharedCores | None = None) -> None:
         p = llama_cpp.llama_context_default_params()
         p.n_ctx = options.n_ctx
         p.n_batch = p.n_ubatch = options.n_batch
@@ -76,10 +50,9 @@ class EmbeddingLM:
             raise RuntimeError("libllama could not create a context")
         self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
         self.threads = self._threads_set = options.threads
-        self.cores = cores or SharedCores()
+        self.cores = cores or SharedCores(options.threads)
         self.n_ctx, self.n_batch = options.n_ctx, options.n_batch
         self._n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        self.pos = 0
         # One batch struct and its arrays, reused by every decode: building them per call cost
         # ~0.1-0.2 ms, a tenth of a code-predictor pass.
         self._seq = (ctypes.c_int32 * 1)(0)
@@ -105,48 +78,44 @@ class EmbeddingLM:
     def set_threads(self, threads: int) -> None:
         self.threads = threads
 
-    def reset(self, clear_data: bool = True) -> None:
-        """Forget the KV cache: the next call starts a new sequence at position 0.
+    def clear(self, clear_data: bool = True) -> None:
+        """Forget the KV cache.
 
         With `clear_data=False` only the cells are freed and the buffers keep stale values, which
         the attention mask hides (zeroing them costs ~0.1 ms per MiB of cache)."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), clear_data)
-        self.pos = 0
 
-    def truncate(self, n: int) -> None:
-        """Keep the first `n` positions of the KV cache: the next call continues at position n."""
+    def keep(self, n: int) -> None:
+        """Keep the first `n` positions of the KV cache, so that a call can continue at n."""
         if not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), -1, n, -1):
             raise RuntimeError("libllama could not shorten the KV cache")
-        self.pos = n
 
-    def forward(self, embeds: np.ndarray, outputs: str = "last") -> tuple[np.ndarray, np.ndarray]:
-        """Run rows `embeds` [n, H] at the next n positions.
+    def forward(self, embeds: np.ndarray, pos: int, outputs: str = "last") -> tuple[np.ndarray, np.ndarray]:
+        """Run rows `embeds` [n, H] at positions pos .. pos + n - 1.
 
         Returns (hidden, logits) for the last row ([H], [n_logits]) or, with outputs="all",
         for every row ([n, H], [n, n_logits]). Logits are the last `n_logits` of the vocabulary.
         """
         embeds = np.ascontiguousarray(embeds, dtype=np.float32)
         n = len(embeds)
-        if self.pos + n > self.n_ctx:
-            raise RuntimeError(f"context full: {self.pos} + {n} positions > n_ctx {self.n_ctx}")
+        if pos + n > self.n_ctx:
+            raise RuntimeError(f"context full: {pos} + {n} positions > n_ctx {self.n_ctx}")
         hidden, logits = [], []
         for start in range(0, n, self.n_batch):
-            chunk = embeds[start:start + self.n_batch]
-            last_only = outputs == "last"
-            h, lg = self._decode(chunk, last_only)
+            h, lg = self._decode(embeds[start:start + self.n_batch], pos + start, outputs == "last")
             hidden.append(h)
             logits.append(lg)
         if outputs == "last":
             return hidden[-1][-1], logits[-1][-1]
         return np.concatenate(hidden), np.concatenate(logits)
 
-    def _decode(self, chunk: np.ndarray, last_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, chunk: np.ndarray, pos: int, last_only: bool) -> tuple[np.ndarray, np.ndarray]:
         threads = self.cores.threads(self.threads)
         if threads != self._threads_set:
             llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
             self._threads_set = threads
         n = len(chunk)
-        self._positions[:n * self.n_pos].reshape(self.n_pos, n)[:] = np.arange(self.pos, self.pos + n)
+        self._positions[:n * self.n_pos].reshape(self.n_pos, n)[:] = np.arange(pos, pos + n)
         self._want[:n] = 0
         self._want[n - 1 if last_only else slice(0, n)] = 1
         batch = self._batch
@@ -156,7 +125,6 @@ class EmbeddingLM:
         batch.embd = None
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc})")
-        self.pos += n
         rows = [n - 1] if last_only else range(n)
         hidden = np.empty((len(rows), self.n_embd), dtype=np.float32)
         logits = np.empty((len(rows), self.n_logits), dtype=np.float32)

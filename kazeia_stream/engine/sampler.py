@@ -9,20 +9,12 @@ PCG64, so a seed gives the same codes on every machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
+from ..model.config import Sampling
 
 
-def warp_and_draw(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> int:
     """Temperature, top-k, top-p (Hugging Face's warpers, in that order), then a draw."""
     if not p.do_sample:
         return int(np.argmax(logits))
@@ -48,7 +40,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 class CodeSampler:
     """Draws codebooks 1..15 from the code predictor's logits."""
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator) -> None:
+    def __init__(self, params: Sampling, rng: np.random.Generator) -> None:
         self.params, self.rng = params, rng
 
     def __call__(self, logits: np.ndarray) -> int:
@@ -58,16 +50,13 @@ class CodeSampler:
 class TalkerSampler:
     """Draws codebook 0 from the talker's codec logits; holds the utterance's history."""
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator, *, eos: int,
+    def __init__(self, params: Sampling, rng: np.random.Generator, *, eos: int,
                  suppress: np.ndarray, repetition_penalty: float = 1.05,
                  min_new_tokens: int = 2) -> None:
         self.params, self.rng = params, rng
         self.eos, self.suppress = eos, suppress
         self.repetition_penalty, self.min_new_tokens = repetition_penalty, min_new_tokens
         self.generated: list[int] = []
-
-    def reset(self) -> None:
-        self.generated = []
 
     def __call__(self, logits: np.ndarray) -> int:
         scores = logits.astype(np.float32, copy=True)

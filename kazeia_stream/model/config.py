@@ -62,6 +62,27 @@ class CodePredictorConfig(LMConfig):
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """One sampler's settings (Hugging Face's warpers: temperature, top-k, top-p)."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """The model's sampling defaults (its generation_config.json): codebook 0 from the talker,
+    codebooks 1.. from the code predictor ("subtalker")."""
+
+    talker: Sampling
+    code_predictor: Sampling
+    repetition_penalty: float
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class CodecConfig:
     sample_rate: int
     samples_per_frame: int
@@ -83,7 +104,7 @@ class ModelConfig:
     speakers: dict[str, int]
     languages: dict[str, int]
     dialects: dict[str, str]
-    generation: dict[str, float | int | bool]
+    generation: GenerationConfig
     has_speaker_encoder: bool
     suppress_codes: np.ndarray = field(repr=False)
     codec_tokens: dict[str, int] = field(repr=False, default_factory=dict)
@@ -121,7 +142,7 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
 
     tcfg = _talker_config(talker, len(codec_token_names))
     size = talker.get(L.KEY_TTS_MODEL_SIZE) or ("0b6" if tcfg.hidden_size <= 1024 else "1b7")
-    generation = {k: talker.get(L.KEY_GENERATION_PREFIX + k, v) for k, v in OFFICIAL_GENERATION.items()}
+    generation = _generation_config(talker)
     codec_ids = CodecIds(
         pad=codec_id("codec_pad"), bos=codec_id("codec_bos"), eos=codec_id("codec_eos_token"),
         think=codec_id("codec_think"), nothink=codec_id("codec_nothink"),
@@ -144,6 +165,19 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
         has_speaker_encoder=has_spkenc,
         suppress_codes=_suppressed(talker, tcfg, codec_ids.eos),
         codec_tokens=tokens,
+    )
+
+
+def _generation_config(talker: GGUFFile) -> GenerationConfig:
+    """The file's `kazeia.generation.*` keys, else the official values."""
+    g = {k: L.GENERATION_KEYS[k](talker.get(L.KEY_GENERATION_PREFIX + k, v))
+         for k, v in OFFICIAL_GENERATION.items()}
+    return GenerationConfig(
+        talker=Sampling(g["do_sample"], g["temperature"], g["top_k"], g["top_p"]),
+        code_predictor=Sampling(g["subtalker_do_sample"], g["subtalker_temperature"],
+                                g["subtalker_top_k"], g["subtalker_top_p"]),
+        repetition_penalty=g["repetition_penalty"],
+        max_new_tokens=g["max_new_tokens"],
     )
 
 

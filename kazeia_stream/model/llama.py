@@ -27,15 +27,25 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         log.log(_LEVELS.get(level, logging.DEBUG), "%s", message)
 
 
-# The callback object lives at module level: libllama keeps only its address.
-llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-llama_cpp.llama_backend_init()
+_initialised = False
+
+
+def init_backend() -> None:
+    """Route llama.cpp's log to Python logging and initialise its backend, once, before the
+    first model is made (not at import: the pure modules must not start libllama)."""
+    global _initialised
+    if not _initialised:
+        # The callback object lives at module level: libllama keeps only its address.
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _initialised = True
 
 
 class LlamaModel:
     """A libllama model (weights memory-mapped) and its vocabulary."""
 
     def __init__(self, path: Path) -> None:
+        init_backend()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
         self.path = path

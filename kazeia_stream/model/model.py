@@ -6,22 +6,18 @@ import logging
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ModelFileError, UsageError
+from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
-from .prompt import Prompt, assistant_text, build_prompt, instruct_text
+from .prompt import Prompt, TextFeed, assistant_text, build_prompt, instruct_text
 from .text_stream import PREFIX as ROLE_TEXT
-from .text_stream import TextTokens
+from .text_stream import IncrementalTokenizer
 from .tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from ..engine.synthesis import Engines
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +57,8 @@ class _TalkerRows:
 
 
 class Model:
-    """A Qwen3-TTS model loaded from its GGUF pair. Create it with `load_model`."""
+    """A Qwen3-TTS model loaded from its GGUF pair: files, config, tokenizer and prompts, no
+    compute (a `Runtime` holds the engines). Create it with `load_model`."""
 
     def __init__(self, talker_path: Path, mmproj_path: Path) -> None:
         self.talker_path, self.mmproj_path = talker_path, mmproj_path
@@ -120,12 +117,10 @@ class Model:
     def prompt(self, text: str, *, voice: str | None = None, language: str = "auto",
                instruct: str | None = None, text_streaming: bool = True) -> Prompt:
         """`prefill`'s arrays with the number of text tokens they hold."""
-        if not text or not text.strip():
-            raise UsageError("the text is empty")
-        template = self._encode(assistant_text(text))
-        return self.prompt_from_tokens(template[3:-5], voice=voice, language=language,
+        role_ids, body_ids = self._tokens(text)
+        return self.prompt_from_tokens(body_ids, voice=voice, language=language,
                                        instruct=instruct, text_streaming=text_streaming,
-                                       role_ids=template[:3])
+                                       role_ids=role_ids)
 
     def prompt_from_tokens(self, body_ids: list[int], *, voice: str | None = None,
                            language: str = "auto", instruct: str | None = None,
@@ -146,33 +141,26 @@ class Model:
         """Rows T(id) of text tokens [n, H], as trailing text."""
         return self._rows.text(ids)
 
-    @cached_property
-    def eos_embedding(self) -> np.ndarray:
-        """The trailing row that tells the talker the text has ended."""
-        return self._rows.text([self.config.text_ids.tts_eos])[0]
+    def count_tokens(self, text: str) -> int:
+        """Text tokens of `text` as its prompt holds them."""
+        return len(self._tokens(text)[1])
 
-    def text_tokens(self) -> TextTokens:
-        """An incremental tokenizer for text arriving in pieces."""
-        return TextTokens(self._encode)
+    def text_feed(self, prompt: Prompt) -> TextFeed:
+        """The trailing text of `prompt`, to which streaming text adds its next tokens."""
+        return TextFeed(self._rows, self.config.text_ids, prompt.trailing, prompt.n_text_tokens,
+                        prompt.text_complete)
 
-    def synthesize(self, text: str, *, voice: str | None = None, language: str = "auto",
-                   instruct: str | None = None, seed: int | None = None,
-                   text_streaming: bool = False, **options) -> tuple[np.ndarray, int]:
-        """Speak `text` offline: (float32 samples, sample rate). Stops at EOS or at a cap derived
-        from the text length. `options` are `GenerationOptions` fields (temperature, top_k...);
-        like the official API, the whole text is in the prefill unless `text_streaming`."""
-        from ..engine.synthesis import synthesize
+    def incremental_tokenizer(self) -> IncrementalTokenizer:
+        """A tokenizer for text arriving in pieces."""
+        return IncrementalTokenizer(self._encode)
 
-        prompt = self.prompt(text, voice=voice, language=language, instruct=instruct,
-                             text_streaming=text_streaming)
-        return synthesize(self, prompt, seed=seed, **options), self.sample_rate
-
-    @cached_property
-    def engines(self) -> Engines:
-        """The talker, code predictor and codec decoder, created on first use and reused."""
-        from ..engine.synthesis import Engines
-
-        return Engines(self)
+    def _tokens(self, text: str) -> tuple[list[int], list[int]]:
+        """(role ids, body ids): the tokens of `assistant_text(text)` sliced as the official
+        code slices them."""
+        if not text or not text.strip():
+            raise EmptyTextError("the text is empty")
+        template = self._encode(assistant_text(text))
+        return template[:3], template[3:-5]
 
     def _encode(self, text: str) -> list[int]:
         """Tokens of a template string; text ids beyond the text vocabulary would be codec rows."""

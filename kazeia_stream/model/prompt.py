@@ -3,6 +3,9 @@
 This mirrors `Qwen3TTSForConditionalGeneration.generate` in the official package (non-ICL path).
 Every vector is a sum of rows of the talker's `token_embd`: text rows already carry the folded
 `text_projection`, codec rows follow the text vocabulary.
+
+`TextFeed` is the one home of the streaming-text rule: which text row joins each generated
+frame's talker input, when PAD follows, when EOS closes the text.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ class Embeddings(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """What the talker starts from: prefill rows, trailing text rows, the text's length, and how
-    many leading prefill rows do not depend on the text (instruction, role and voice rows, the
-    same for every utterance of a session, so their KV cache can be kept)."""
+    """What the talker starts from: prefill rows, trailing text rows (the official
+    `trailing_text_hidden`), the text's length, whether the text is complete, and how many
+    leading prefill rows do not depend on the text (instruction, role and voice rows, the same
+    for every utterance of a session, so their KV cache can be kept)."""
 
     prefill: np.ndarray
     trailing: np.ndarray
     n_text_tokens: int
     n_fixed: int
+    text_complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,47 @@ class TextIds:
     tts_pad: int
     tts_bos: int
     tts_eos: int
+
+
+class TextFeed:
+    """The text rows that join the generated frames' talker inputs, one per frame.
+
+    The input that follows frame t is the sum of its code embeddings and `row(t)`: the t-th
+    trailing row while there is one; once the text is complete and its rows (EOS last) are
+    used up, PAD. A row of text still to come is None: the frame loop waits for it, since PAD
+    would tell the model that the text has ended."""
+
+    def __init__(self, emb: Embeddings, text_ids: TextIds, rows: np.ndarray | None = None,
+                 n_tokens: int = 0, complete: bool = False) -> None:
+        self._emb = emb
+        self.pad, self.eos = emb.text([text_ids.tts_pad, text_ids.tts_eos])
+        self.rows: list[np.ndarray] = [] if rows is None else list(rows)
+        self.n_tokens = n_tokens
+        self.complete = complete
+
+    def add(self, ids: list[int], complete: bool) -> None:
+        """More text tokens; the text's end adds the EOS row."""
+        if self.complete:
+            raise ValueError("the text is already complete")
+        if ids:
+            self.rows.extend(self._emb.text(ids))
+        if complete:
+            self.rows.append(self.eos)
+        self.n_tokens += len(ids)
+        self.complete = complete
+
+    def row(self, t: int) -> np.ndarray | None:
+        """The text row that joins frame t's codes in the next talker input."""
+        if t < len(self.rows):
+            return self.rows[t]
+        return self.pad if self.complete else None
+
+    @property
+    def trailing(self) -> np.ndarray:
+        """The rows so far [N, H]."""
+        if not self.rows:
+            return np.zeros((0, len(self.pad)), np.float32)
+        return np.stack(self.rows).astype(np.float32, copy=False)
 
 
 def assistant_text(text: str) -> str:
@@ -115,11 +161,13 @@ def build_prompt(
     body_rows = emb.text(body_ids)
     if text_streaming:
         parts.append(body_rows[:1] + codec_rows[-1:])
-        trailing = np.concatenate([body_rows[1:], eos[None]] if text_complete else [body_rows[1:]])
+        feed = TextFeed(emb, text_ids)
+        feed.add(body_ids[1:], text_complete)
+        trailing = feed.trailing
     else:
         codec_pad = emb.codec([codec_ids.pad])
         parts.append(np.concatenate([body_rows, eos[None]]) + codec_pad)
         parts.append(pad[None] + codec_rows[-1:])
         trailing = pad[None].copy()
     return Prompt(np.concatenate(parts).astype(np.float32, copy=False),
-                  trailing.astype(np.float32, copy=False), len(body_ids), n_fixed)
+                  trailing.astype(np.float32, copy=False), len(body_ids), n_fixed, text_complete)

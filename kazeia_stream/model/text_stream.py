@@ -19,7 +19,7 @@ def _is_cut(ch: str) -> bool:
     return ch.isspace() or unicodedata.category(ch).startswith("P")
 
 
-class TextTokens:
+class IncrementalTokenizer:
     """Feed text pieces, get the text's final token ids in order."""
 
     def __init__(self, encode: Callable[[str], list[int]]) -> None:

@@ -9,16 +9,20 @@ import numpy as np
 import trio
 
 from ..channels import Frame, TextTokens, UtteranceMetrics
-from ..engine.generator import FrameGenerator
+from ..engine.frames import FrameLoop, FrameState, GenerationOptions
 from ..model import Model
 from ..model.prompt import Prompt
 
 
-async def generate_frames(model: Model, gen: FrameGenerator, make_prompt: Callable[[list[int], bool], Prompt],
-                          text_streaming: bool, tokens: trio.MemoryReceiveChannel[TextTokens],
+async def generate_frames(model: Model, loop: FrameLoop, make_prompt: Callable[[list[int], bool], Prompt],
+                          text_streaming: bool, options: GenerationOptions,
+                          tokens: trio.MemoryReceiveChannel[TextTokens],
                           out: trio.MemorySendChannel[Frame], metrics: UtteranceMetrics,
                           first_audio: trio.Event) -> None:
-    """Start the utterance once enough text is known, then send frames until EOS or the cap.
+    """Generate each segment once enough of its text is known; send frames until its EOS or
+    cap, then go on with the next segment. Frames are numbered across segments; each
+    segment's first is marked `new_segment`. The samplers of all segments draw from one
+    generator seeded with `options.seed`.
 
     After the first frame it waits for `first_audio`: the first decode, which audio cannot start
     without, then has the machine to itself (on 2 cores: 0.17 s instead of 0.27-0.45 s beside
@@ -26,51 +30,68 @@ async def generate_frames(model: Model, gen: FrameGenerator, make_prompt: Callab
 
     In streaming mode the talker starts from the first token; when it needs a text row that has
     not arrived, it waits for the text (padding early would tell the model the text has ended).
-    Without streaming it waits for the whole text, as the official API does. Records the
-    generator's trace and engine times into `metrics`.
+    Without streaming it waits for the segment's whole text, as the official API does. Records
+    the generator's trace and engine times into `metrics`.
     """
-    try:
-        async with tokens, out:
-            await _loop(model, gen, make_prompt, text_streaming, tokens, out, metrics, first_audio)
-    finally:
-        t = gen.times
-        metrics.prefill_s, metrics.talker_s = t.prefill, t.talker
-        metrics.talker_steps, metrics.code_predictor_s = t.talker_steps, t.code_predictor
+    rng = np.random.default_rng(options.seed)
+    index = 0
+    async with tokens, out:
+        while (start := await _segment_start(tokens, text_streaming)) is not None:
+            prompt = make_prompt(*start)
+            state = await trio.to_thread.run_sync(loop.start, prompt, model.text_feed(prompt),
+                                                  options, rng)
+            try:
+                index = await _frames(loop, state, index, tokens, out, metrics, first_audio)
+                await _skip_rest(state, tokens)
+            finally:
+                metrics.add_times(state.times)
 
 
-async def _loop(model: Model, gen: FrameGenerator, make_prompt: Callable[[list[int], bool], Prompt],
-            text_streaming: bool, tokens: trio.MemoryReceiveChannel[TextTokens],
-            out: trio.MemorySendChannel[Frame], metrics: UtteranceMetrics,
-            first_audio: trio.Event) -> None:
+async def _segment_start(tokens: trio.MemoryReceiveChannel[TextTokens],
+                         text_streaming: bool) -> tuple[list[int], bool] | None:
+    """The first tokens of the next segment (all of them without text streaming), and whether
+    they are all of it; None once the text has ended."""
     ids: list[int] = []
-    complete = False
-    while not ids or not (complete or text_streaming):
-        msg = await tokens.receive()
+    end = False
+    while not ids or not (end or text_streaming):
+        try:
+            msg = await tokens.receive()
+        except trio.EndOfChannel:
+            return None
         ids += msg.ids
-        complete = msg.complete
-    prompt = make_prompt(ids, complete)
-    await trio.to_thread.run_sync(gen.start, prompt, complete)
+        end = msg.segment_end
+    return ids, end
+
+
+async def _frames(loop: FrameLoop, state: FrameState, index: int,
+                  tokens: trio.MemoryReceiveChannel[TextTokens], out: trio.MemorySendChannel[Frame],
+                  metrics: UtteranceMetrics, first_audio: trio.Event) -> int:
+    """One segment's frames, numbered from `index`; returns the next frame's number."""
+    first = index
     while True:
-        while not gen.text_complete and (gen.needs_text or _ready(tokens)):
-            _add_text(model, gen, await tokens.receive())
+        while not state.text.complete and (state.needs_text or _ready(tokens)):
+            msg = await tokens.receive()
+            state.text.add(msg.ids, msg.segment_end)
         start = time.perf_counter()
-        codes = await trio.to_thread.run_sync(gen.next_frame)
+        codes = await trio.to_thread.run_sync(loop.next_frame, state)
         if codes is None:
-            return
-        metrics.generator.add(gen.frame - 1, start, time.perf_counter())
-        await out.send(Frame(gen.frame - 1, codes))
-        if gen.frame == 1:
+            return index
+        metrics.generator.add(index, start, time.perf_counter())
+        await out.send(Frame(index, codes, new_segment=index == first))
+        index += 1
+        if index == 1:
             await first_audio.wait()
 
 
-def _ready(channel: trio.MemoryReceiveChannel) -> bool:
+async def _skip_rest(state: FrameState, tokens: trio.MemoryReceiveChannel[TextTokens]) -> None:
+    """A segment that ended (EOS, its cap) before its text did: drop the rest of its text."""
+    while not state.text.complete:
+        try:
+            msg = await tokens.receive()
+        except trio.EndOfChannel:
+            return
+        state.text.add(msg.ids, msg.segment_end)
+
+
+def _ready(channel: trio.MemoryReceiveChannel[TextTokens]) -> bool:
     return channel.statistics().current_buffer_used > 0
-
-
-def _add_text(model: Model, gen: FrameGenerator, msg: TextTokens) -> None:
-    """Trailing rows for new tokens; the text's end adds the EOS row (every message has one or
-    the other)."""
-    rows = [model.text_embeddings(msg.ids)] if msg.ids else []
-    if msg.complete:
-        rows.append(model.eos_embedding[None])
-    gen.add_text(np.concatenate(rows), len(msg.ids), msg.complete)

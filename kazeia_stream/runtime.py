@@ -1,0 +1,182 @@
+"""The runtime: one set of engines for a model, and every way of speaking with them.
+
+A `Runtime` owns the talker, the code predictor and the codec decoder of one model (one copy of
+the weights), their thread settings and warm-up, and the turns that let one utterance at a time
+use them, whichever session or thread asks. Offline synthesis (`synthesize`, `audio`) and live
+sessions (`open`) are its methods; the model below it only reads files.
+
+    model = kazeia_stream.load_model("models/0.6b-cv")
+    runtime = kazeia_stream.Runtime(model)             # or: await Runtime.create(model)
+    audio, rate = runtime.synthesize("Hello there.", voice="ryan")
+    async with runtime.open(voice="ryan") as tts: ...
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import numpy as np
+import trio
+
+from .engine.code_predictor import CodePredictor
+from .engine.codec import CodecDecoder
+from .engine.frames import FrameLoop, GenerationOptions, max_text_tokens
+from .engine.llm import LMOptions
+from .engine.talker import Talker, TalkerState
+from .engine.threads import SharedCores, Threads
+from .errors import EmptyTextError, UsageError
+from .model import Model
+from .model.prompt import Prompt
+from .model.segments import split_text
+from .session import Session, single_errors
+
+# A segment shorter than this many bytes could not hold a sentence: the instruction is too long.
+MIN_SEGMENT_BYTES = 16
+
+
+class Runtime:
+    """The engines of one model, created once (weights loaded, warmed up) and shared by every
+    session and call on it."""
+
+    def __init__(self, model: Model, threads: Threads | None = None) -> None:
+        self.model = model
+        self.threads = threads or Threads.default()
+        # the decoder actor holds some while it runs beside the talker and code predictor
+        self.cores = SharedCores(self.threads.cores)
+        cfg = model.config
+        self.talker = Talker(model.llama_model.ptr, cfg.talker, LMOptions(self.threads.talker),
+                             self.cores)
+        self.code_predictor = CodePredictor(model.mmproj_file, cfg.code_predictor,
+                                            self.threads.code_predictor, cores=self.cores)
+        self.codec = CodecDecoder(model.mmproj_file, self.threads.decoder)
+        self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
+        self._engines = threading.Lock()  # held by the utterance using the engines
+        self._turns = trio.Lock()  # sessions queue here, in order, before taking the engines
+        self._warm_up()
+
+    @classmethod
+    async def create(cls, model: Model, threads: Threads | None = None) -> Runtime:
+        """Build the runtime in a worker thread: loading and warming the engines takes seconds,
+        which must not block an event loop."""
+        return await trio.to_thread.run_sync(lambda: cls(model, threads))
+
+    def _warm_up(self) -> None:
+        """One throw-away step through every engine, so that the first utterance does not pay
+        for faulting the memory-mapped weights in and for first-call setup (measured on the
+        0.6B: about 0.3 s of its time to first audio)."""
+        hidden, _ = self.talker.prefill(TalkerState(), self.model.pad_embedding[None])
+        self.code_predictor.predict(hidden, 0, lambda logits: 0)
+        self.codec.decode(np.zeros((1, self.model.config.codec.num_quantizers), dtype=np.int64))
+
+    # -- turns on the engines ----------------------------------------------------------------
+
+    @contextmanager
+    def _hold(self) -> Iterator[None]:
+        """The engines, for a synchronous caller (blocking while another thread uses them)."""
+        if not self._engines.acquire(blocking=not _in_trio()):
+            raise UsageError("the engines are busy with a session on this event loop: speak "
+                             "through a session, or call synthesize from a worker thread")
+        try:
+            yield
+        finally:
+            self._engines.release()
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """The engines, for a task: tasks queue in order; a synchronous caller in another thread
+        is waited for without blocking the event loop."""
+        async with self._turns:
+            while not self._engines.acquire(blocking=False):
+                await trio.sleep(0.01)
+            try:
+                yield
+            finally:
+                self._engines.release()
+
+    # -- prompts and segments ----------------------------------------------------------------
+
+    def probe(self, voice: str | None, language: str, instruct: str | None) -> Prompt:
+        """A prompt of the session's settings: checks the voice and language, and holds the rows
+        that every utterance of the session starts with."""
+        return self.model.prompt("check", voice=voice, language=language, instruct=instruct)
+
+    def max_segment_bytes(self, probe: Prompt) -> int:
+        """The longest segment of text (in UTF-8 bytes, at least as many as its tokens) whose
+        utterance fits in the talker's context after the session's fixed rows."""
+        n = max_text_tokens(self.talker.n_ctx - probe.n_fixed)
+        if n < MIN_SEGMENT_BYTES:
+            raise UsageError(f"the instruction takes {probe.n_fixed} of the talker's "
+                             f"{self.talker.n_ctx} positions, leaving no room for the text")
+        return n
+
+    def prepare(self, probe: Prompt) -> None:
+        """Compute the rows that every utterance of a session starts with (instruction, role,
+        voice, language), so that even its first utterance only computes its text's rows."""
+        self.talker.prefill(TalkerState(), probe.prefill, probe.n_fixed)
+
+    # -- offline synthesis ---------------------------------------------------------------------
+
+    def audio(self, text: str, *, voice: str | None = None, language: str = "auto",
+              instruct: str | None = None, text_streaming: bool = False,
+              options: GenerationOptions = GenerationOptions()) -> Iterator[np.ndarray]:
+        """The PCM of each frame, decoded as soon as it is generated. A long text is spoken as
+        segments (`model.segments`), each its own utterance, back to back."""
+        probe = self.probe(voice, language, instruct)
+        segments = split_text(text, self.max_segment_bytes(probe))
+        if not segments:
+            raise EmptyTextError("the text is empty")
+        rng = np.random.default_rng(options.seed)
+        with self._hold():
+            for segment in segments:
+                prompt = self.model.prompt(segment, voice=voice, language=language,
+                                           instruct=instruct, text_streaming=text_streaming)
+                state = self.frames.start(prompt, self.model.text_feed(prompt), options, rng)
+                decoder = self.codec.new_state()
+                while (codes := self.frames.next_frame(state)) is not None:
+                    yield self.codec.push(decoder, codes[None])
+
+    def synthesize(self, text: str, *, voice: str | None = None, language: str = "auto",
+                   instruct: str | None = None, seed: int | None = None,
+                   text_streaming: bool = False, **options: Any) -> tuple[np.ndarray, int]:
+        """Speak `text` offline: (float32 samples, sample rate). Stops at EOS or at a cap derived
+        from the text length. `options` are `GenerationOptions` fields (temperature, top_k...);
+        like the official API, the whole text is in the prefill unless `text_streaming`."""
+        chunks = list(self.audio(text, voice=voice, language=language, instruct=instruct,
+                                 text_streaming=text_streaming,
+                                 options=GenerationOptions(seed=seed, **options)))
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+        return audio, self.model.sample_rate
+
+    # -- live sessions -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(self, *, voice: str | None = None, language: str = "auto",
+                   instruct: str | None = None, text_streaming: bool = True,
+                   **generation: Any) -> AsyncIterator[Session]:
+        """A speaking session. `generation` takes `GenerationOptions` fields (seed, temperature,
+        top_k, ...). A bad voice or language fails here, not in the first utterance; the rows
+        that all its utterances share are computed before the first text arrives."""
+        options = GenerationOptions(**generation)
+        probe = self.probe(voice, language, instruct)
+        max_bytes = self.max_segment_bytes(probe)
+        async with self.turn():
+            await trio.to_thread.run_sync(self.prepare, probe)
+        with single_errors():
+            async with trio.open_nursery() as nursery:
+                session = Session(self, nursery, voice, language, instruct, text_streaming,
+                                  options, max_bytes)
+                try:
+                    yield session
+                finally:
+                    nursery.cancel_scope.cancel()
+
+
+def _in_trio() -> bool:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
