@@ -107,3 +107,20 @@ def tiny_runtime(tiny_gguf: Callable[..., tuple[Path, Path]]):
         return cache[kind, out_type]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def capped_model(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[..., Path]) -> Path:
+    """The tiny CustomVoice model with `max_new_tokens` 4 in its generation config: at most 3
+    frames per utterance, so that a page of text runs in seconds and every segment shows."""
+    import json
+    import shutil
+
+    from kazeia_stream.model.convert import convert
+
+    src = tiny_checkpoint("custom_voice")
+    ckpt = tmp_path_factory.mktemp("capped") / "tiny-capped"
+    shutil.copytree(src, ckpt)
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 4}))
+    return convert(ckpt, tmp_path_factory.mktemp("gguf"), "f32")[0]

@@ -160,3 +160,68 @@ def test_frames_decoded_together_count_their_shared_span_once():
     assert m.frames == 2
     assert m.decoder.busy == pytest.approx(1.0)
     assert m.overlap_s == pytest.approx(0.5)
+
+
+async def test_cancel_stops_the_utterance_speaking_not_the_one_queued_after_it(runtime, offline):
+    async with runtime.open(voice="ryan", seed=5) as tts:
+        speaking = tts.speak(TEXT)
+        queued = tts.speak(TEXT)
+        first = await speaking.__aiter__().__anext__()
+        assert first.frame_index == 0
+        tts.cancel()
+        assert speaking.metrics.cancelled and not queued.metrics.cancelled
+        assert same_audio(await collect(queued), offline)
+        await speaking.done.wait()
+        assert speaking.metrics.frames < len(offline) // 1920
+
+
+async def test_utterances_are_spoken_in_the_order_asked(runtime):
+    texts = ["One.", "Two, two.", "Three, three, three."]
+    expected = [runtime.synthesize(t, voice="ryan", seed=5, text_streaming=True)[0] for t in texts]
+    async with runtime.open(voice="ryan", seed=5) as tts:
+        utterances = [tts.speak(t) for t in texts]  # all asked for at once
+        spoken = [await collect(utterance) for utterance in utterances]
+    assert all(same_audio(pcm, e) for pcm, e in zip(spoken, expected))
+    starts = [u.metrics.generator.spans[0][1] for u in utterances]
+    assert starts == sorted(starts)
+
+
+async def test_errors_inside_a_session_come_out_as_themselves(runtime):
+    with pytest.raises(kazeia_stream.EmptyTextError):
+        async with runtime.open(voice="ryan") as tts:
+            await collect(tts.speak("  "))
+    with pytest.raises(KeyError):
+        async with runtime.open(voice="ryan"):
+            raise KeyError("from the caller")
+
+
+async def test_a_runtime_is_built_off_the_event_loop(tiny_gguf):
+    model = kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0.005)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tick)
+        start = time.perf_counter()
+        runtime = await kazeia_stream.Runtime.create(model)
+        took = time.perf_counter() - start
+        nursery.cancel_scope.cancel()
+    assert isinstance(runtime, kazeia_stream.Runtime)
+    assert ticks >= 0.3 * took / 0.005  # the loop ran while the engines were made
+
+
+def test_synthesize_from_the_event_loop_thread_while_a_session_speaks_is_refused(runtime):
+    async def main():
+        async with runtime.open(voice="ryan", seed=5) as tts:
+            utterance = tts.speak(TEXT)
+            await utterance.__aiter__().__anext__()
+            with pytest.raises(UsageError, match="busy"):
+                runtime.synthesize("Hi.", voice="ryan")
+            utterance.cancel()
+
+    trio.run(main)

@@ -28,8 +28,10 @@ def greedy_codes(runtime: kazeia_stream.Runtime, text: str, frames: int) -> tupl
     opts = GenerationOptions(seed=0, do_sample=False, subtalker_do_sample=False,
                              max_frames=frames, ignore_eos=True)
     state = runtime.frames.start(prompt, model.text_feed(prompt), opts, np.random.default_rng(0))
-    codes = np.stack(list(iter(lambda: runtime.frames.next_frame(state), None)))
-    return codes, runtime.codec.decode(codes)
+    codes = []
+    while (frame := runtime.frames.next_frame(state)) is not None:
+        codes.append(frame)
+    return np.stack(codes), runtime.codec.decode(np.stack(codes))
 
 
 def teacher_forced(runtime: kazeia_stream.Runtime, text: str,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -112,3 +114,12 @@ class UtteranceMetrics:
     def rtf(self) -> float | None:
         wall = self.wall_s
         return None if wall is None or not self.audio_s else wall / self.audio_s
+
+
+class SpokenAudio(Protocol):
+    """What a sink plays: the chunks of an utterance as they come, and its metrics
+    (`session.Utterance`)."""
+
+    metrics: UtteranceMetrics
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]: ...

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
 
+from ..channels import SpokenAudio
 from .playback import AudioPlayer, prebuffer_for
-
-if TYPE_CHECKING:
-    from ..stream import Utterance
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +23,7 @@ def pcm_bytes(pcm: np.ndarray, fmt: str) -> bytes:
     return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-async def play(utterance: Utterance, player: AudioPlayer, expected_s: float,
+async def play(utterance: SpokenAudio, player: AudioPlayer, expected_s: float,
                longest_s: float | None = None) -> None:
     """Play an utterance as it is produced.
 
@@ -55,7 +52,7 @@ async def play(utterance: Utterance, player: AudioPlayer, expected_s: float,
         log.warning("%d playback underruns", player.underruns)
 
 
-async def write_pcm(utterance: Utterance, out: trio.abc.SendStream, fmt: str) -> None:
+async def write_pcm(utterance: SpokenAudio, out: trio.abc.SendStream, fmt: str) -> None:
     """Write an utterance's PCM to a stream as it is produced, one write per chunk."""
     async for chunk in utterance:
         await out.send_all(pcm_bytes(chunk.pcm, fmt))
