@@ -32,7 +32,7 @@ async def llm_reply(text: str, chars_per_piece: int = 4, delay: float = 0.03):
     """A stand-in for an LLM's token stream."""
     for i in range(0, len(text), chars_per_piece):
         await trio.sleep(delay)
-        yield text[i:i + chars_per_piece]
+        yield text[i : i + chars_per_piece]
 
 
 async def main(model_dir: str, barge_in_after: float, out_dir: Path) -> None:
@@ -53,13 +53,17 @@ async def main(model_dir: str, barge_in_after: float, out_dir: Path) -> None:
             audio = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
             path = out_dir / f"turn{turn}.wav"
             sf.write(path, audio, model.sample_rate)
-            print(f"turn {turn}: {len(audio) / model.sample_rate:.2f} s of audio, first audio after "
-                  f"{m.ttfa_s:.2f} s, {'cancelled' if m.cancelled else 'complete'} -> {path}")
+            print(
+                f"turn {turn}: {len(audio) / model.sample_rate:.2f} s of audio, first audio after "
+                f"{m.ttfa_s:.2f} s, {'cancelled' if m.cancelled else 'complete'} -> {path}"
+            )
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.environ.get("KAZEIA_MODEL"), required="KAZEIA_MODEL" not in os.environ)
+    ap.add_argument(
+        "--model", default=os.environ.get("KAZEIA_MODEL"), required="KAZEIA_MODEL" not in os.environ
+    )
     ap.add_argument("--barge-in-after", type=float, default=1.5, help="seconds of audio before barge-in")
     ap.add_argument("--out-dir", type=Path, default=Path("conversation-out"))
     args = ap.parse_args()

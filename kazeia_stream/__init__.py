@@ -20,12 +20,26 @@ if TYPE_CHECKING:
 __version__ = "0.2.0"
 
 _LAZY = {
-    "Model": ".model", "load_model": ".model", "Runtime": ".runtime", "Threads": ".engine.threads",
-    "Session": ".session", "Utterance": ".session",
+    "Model": ".model",
+    "load_model": ".model",
+    "Runtime": ".runtime",
+    "Threads": ".engine.threads",
+    "Session": ".session",
+    "Utterance": ".session",
 }
 
-__all__ = ["EmptyTextError", "KazeiaError", "Model", "ModelFileError", "Runtime", "Session",
-           "Threads", "UsageError", "Utterance", "load_model"]
+__all__ = [
+    "EmptyTextError",
+    "KazeiaError",
+    "Model",
+    "ModelFileError",
+    "Runtime",
+    "Session",
+    "Threads",
+    "UsageError",
+    "Utterance",
+    "load_model",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -35,8 +35,9 @@ class AudioFileWriter:
     def __enter__(self) -> AudioFileWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._file.close()
         if self.frames or exc_type is None:
             os.replace(self._tmp, self.path)

@@ -17,8 +17,10 @@ import numpy as np
 from .engine.frames import GenerationOptions
 from .runtime import Runtime
 
-BENCH_TEXT = ("Streaming speech starts before the sentence is finished, so a listener hears the "
-              "first words while the rest is still being written.")
+BENCH_TEXT = (
+    "Streaming speech starts before the sentence is finished, so a listener hears the "
+    "first words while the rest is still being written."
+)
 
 
 def peak_rss_mb() -> float:
@@ -27,8 +29,16 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
-def _figures(frames: int, audio_s: float, ttfa: float, wall: float, talker_s: float,
-             talker_steps: int, cp_s: float, decoder_s: float) -> dict[str, Any]:
+def _figures(
+    frames: int,
+    audio_s: float,
+    ttfa: float,
+    wall: float,
+    talker_s: float,
+    talker_steps: int,
+    cp_s: float,
+    decoder_s: float,
+) -> dict[str, Any]:
     n = max(frames, 1)
     return {
         "frames": frames,
@@ -48,35 +58,51 @@ def _figures(frames: int, audio_s: float, ttfa: float, wall: float, talker_s: fl
 def median(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over repeated runs (peak memory: the largest); shared machines
     move single runs by tens of percent."""
+
     def combine(key: str, values: list[Any]) -> Any:
         if isinstance(values[0], dict):
             return {k: combine(k, [v[k] for v in values]) for k in values[0]}
         return max(values) if key == "peak_rss_mb" else statistics.median(values)
+
     return {k: combine(k, [r[k] for r in results]) for k in results[0]}
 
 
-async def run_pipeline_bench(runtime: Runtime, frames: int, repeat: int = 1,
-                             seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def run_pipeline_bench(
+    runtime: Runtime, frames: int, repeat: int = 1, seed: int = 0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The same figures measured through the actor pipeline (decoder overlapping the
     generator), for `repeat` utterances in one session, plus each one's per-frame trace."""
     results, traces = [], []
-    async with runtime.open(voice=runtime.model.default_voice, seed=seed, max_frames=frames,
-                            ignore_eos=True) as tts:
+    async with runtime.open(
+        voice=runtime.model.default_voice, seed=seed, max_frames=frames, ignore_eos=True
+    ) as tts:
         for _ in range(repeat):
             utterance = tts.speak(BENCH_TEXT)
             async for _chunk in utterance:
                 pass
             m = utterance.metrics
             assert m.ttfa_s is not None and m.wall_s is not None
-            results.append(_figures(m.frames, m.audio_s, m.ttfa_s, m.wall_s, m.talker_s,
-                                    m.talker_steps, m.code_predictor_s, m.decoder.busy))
+            results.append(
+                _figures(
+                    m.frames,
+                    m.audio_s,
+                    m.ttfa_s,
+                    m.wall_s,
+                    m.talker_s,
+                    m.talker_steps,
+                    m.code_predictor_s,
+                    m.decoder.busy,
+                )
+            )
             t0 = m.started
-            traces.append({
-                "generator": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.generator.spans],
-                "decoder": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.decoder.spans],
-                "overlap_s": round(m.overlap_s, 3),
-                "prefill_s": round(m.prefill_s, 3),
-            })
+            traces.append(
+                {
+                    "generator": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.generator.spans],
+                    "decoder": [(i, round(a - t0, 4), round(b - t0, 4)) for i, a, b in m.decoder.spans],
+                    "overlap_s": round(m.overlap_s, 3),
+                    "prefill_s": round(m.prefill_s, 3),
+                }
+            )
     return results, traces
 
 
@@ -87,8 +113,7 @@ def run_bench(runtime: Runtime, frames: int, seed: int = 0) -> dict[str, Any]:
     t_start = time.perf_counter()
     prompt = model.prompt(BENCH_TEXT, voice=model.default_voice, text_streaming=True)
     options = GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True)
-    state = runtime.frames.start(prompt, model.text_feed(prompt), options,
-                                 np.random.default_rng(seed))
+    state = runtime.frames.start(prompt, model.text_feed(prompt), options, np.random.default_rng(seed))
     decoder = runtime.codec.new_state()
     ttfa = decoder_s = 0.0
     samples = 0
@@ -100,5 +125,13 @@ def run_bench(runtime: Runtime, frames: int, seed: int = 0) -> dict[str, Any]:
             ttfa = time.perf_counter() - t_start
     wall = time.perf_counter() - t_start
     t = state.times
-    return _figures(t.frames, samples / model.sample_rate, ttfa, wall, t.talker, t.talker_steps,
-                    t.code_predictor, decoder_s)
+    return _figures(
+        t.frames,
+        samples / model.sample_rate,
+        ttfa,
+        wall,
+        t.talker,
+        t.talker_steps,
+        t.code_predictor,
+        decoder_s,
+    )

@@ -30,18 +30,30 @@ MODEL_ENV = "KAZEIA_MODEL"
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-v", "--verbose", action="count", default=0,
-                   help="more log output on stderr (-vv includes llama.cpp's own log)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more log output on stderr (-vv includes llama.cpp's own log)",
+    )
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=os.environ.get(MODEL_ENV),
-                   help=f"folder with the GGUF pair, or the talker .gguf (default: ${MODEL_ENV})")
+    p.add_argument(
+        "--model",
+        "-m",
+        default=os.environ.get(MODEL_ENV),
+        help=f"folder with the GGUF pair, or the talker .gguf (default: ${MODEL_ENV})",
+    )
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_positive, help="CPU threads for the talker and the code "
-                   "predictor (default: every core)")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        help="CPU threads for the talker and the code predictor (default: every core)",
+    )
 
 
 def _positive(value: str) -> int:
@@ -102,14 +114,16 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
     runtime = _runtime(args)
-    session = dict(voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed,
-                   text_streaming=True)
+    session = dict(
+        voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed, text_streaming=True
+    )
     if args.pipe:
         return trio.run(functools.partial(live.pipe, runtime, args.format, **session))
     if args.output:
         return write_file(runtime, args)
-    return trio.run(functools.partial(live.speak_live, runtime, args.text,
-                                      device=_device(args.device), **session))
+    return trio.run(
+        functools.partial(live.speak_live, runtime, args.text, device=_device(args.device), **session)
+    )
 
 
 def _device(device: str | None) -> str | int | None:
@@ -122,9 +136,14 @@ def write_file(runtime: Runtime, args: argparse.Namespace) -> int:
     from .engine.frames import GenerationOptions
 
     rate = runtime.model.sample_rate
-    pcm = runtime.audio(args.text, voice=args.voice, language=args.language,
-                        instruct=args.instruct, text_streaming=args.text_streaming,
-                        options=GenerationOptions(seed=args.seed))
+    pcm = runtime.audio(
+        args.text,
+        voice=args.voice,
+        language=args.language,
+        instruct=args.instruct,
+        text_streaming=args.text_streaming,
+        options=GenerationOptions(seed=args.seed),
+    )
     first = next(pcm, None)  # a bad text or voice fails before the file is created
     progress = Progress(rate)
     with AudioFileWriter(args.output, rate) as out:
@@ -159,10 +178,13 @@ def _convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from .model.convert import TYPES
 
     types = "; ".join(f"{name}: {what}" for name, what in TYPES.items())
-    p = sub.add_parser("convert", help="convert an official Hugging Face checkpoint to the GGUF pair",
-                       description="Convert an official Qwen3-TTS checkpoint (config.json, "
-                       "model.safetensors, vocab.json, merges.txt, speech_tokenizer/) into "
-                       f"llama.cpp's GGUF pair. Types: {types}.")
+    p = sub.add_parser(
+        "convert",
+        help="convert an official Hugging Face checkpoint to the GGUF pair",
+        description="Convert an official Qwen3-TTS checkpoint (config.json, "
+        "model.safetensors, vocab.json, merges.txt, speech_tokenizer/) into "
+        f"llama.cpp's GGUF pair. Types: {types}.",
+    )
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--type", choices=list(TYPES), default="f16", help="weight type (default f16)")
@@ -186,25 +208,46 @@ def cmd_dump(args: argparse.Namespace) -> int:
     model = runtime.model
     codes = np.load(args.codes)
     if codes.ndim != 2 or codes.shape[1] != model.config.codec.num_quantizers or len(codes) == 0:
-        raise UsageError(f"{args.codes}: expected integer codes [N, {model.config.codec.num_quantizers}], "
-                         f"got shape {codes.shape}")
-    prompt = model.prompt(args.text, voice=args.voice, language=args.language,
-                          instruct=args.instruct, text_streaming=args.text_streaming)
-    arrays = dump(runtime.talker, runtime.code_predictor, runtime.codec, prompt,
-                  model.text_feed(prompt), codes, args.chunk)
-    np.savez(args.out, **arrays)
+        raise UsageError(
+            f"{args.codes}: expected integer codes [N, {model.config.codec.num_quantizers}], "
+            f"got shape {codes.shape}"
+        )
+    prompt = model.prompt(
+        args.text,
+        voice=args.voice,
+        language=args.language,
+        instruct=args.instruct,
+        text_streaming=args.text_streaming,
+    )
+    arrays = dump(
+        runtime.talker,
+        runtime.code_predictor,
+        runtime.codec,
+        prompt,
+        model.text_feed(prompt),
+        codes,
+        args.chunk,
+    )
+    np.savez(args.out, allow_pickle=False, **arrays)
     return 0
 
 
 def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("dump", help="teacher-forced outputs of every engine, for parity checks",
-                       description="Write prefill, trailing, talker_logits, talker_hidden, cp_logits, "
-                       "audio and audio_streamed for a prompt and a code sequence to an .npz file.")
+    p = sub.add_parser(
+        "dump",
+        help="teacher-forced outputs of every engine, for parity checks",
+        description="Write prefill, trailing, talker_logits, talker_hidden, cp_logits, "
+        "audio and audio_streamed for a prompt and a code sequence to an .npz file.",
+    )
     _add_model(p)
     p.add_argument("--text", required=True)
     _add_voice(p)
-    p.add_argument("--text-streaming", action=argparse.BooleanOptionalAction, default=True,
-                   help="streaming text feeding (default) or the whole text in the prefill")
+    p.add_argument(
+        "--text-streaming",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="streaming text feeding (default) or the whole text in the prefill",
+    )
     p.add_argument("--codes", required=True, help=".npy file of integer codes [N, 16]")
     p.add_argument("--chunk", type=_positive, default=1, help="frames per decoder push for audio_streamed")
     _add_threads(p)
@@ -228,22 +271,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = median(results)
         busy = sum(result["ms_per_frame"].values())
         overlap = statistics.median(t["overlap_s"] for t in traces)
-        print(f"pipeline: {1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
-              f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s",
-              file=sys.stderr)
+        print(
+            f"pipeline: {1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
+            f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s",
+            file=sys.stderr,
+        )
     else:
         results = [run_bench(runtime, args.frames) for _ in range(args.repeat)]
         result = median(results)
     if args.repeat > 1:
         ttfa = sorted(r["ttfa_s"] for r in results)
-        print(f"medians of {args.repeat} runs; time to first audio from {ttfa[0]:.3f} to "
-              f"{ttfa[-1]:.3f} s", file=sys.stderr)
+        print(
+            f"medians of {args.repeat} runs; time to first audio from {ttfa[0]:.3f} to {ttfa[-1]:.3f} s",
+            file=sys.stderr,
+        )
     ms = result["ms_per_frame"]
-    print(f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
-          f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
-          f"per frame: talker {ms['talker']} ms, code predictor {ms['code_predictor']} ms, "
-          f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB",
-          file=sys.stdout if not args.json else sys.stderr)
+    print(
+        f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
+        f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
+        f"per frame: talker {ms['talker']} ms, code predictor {ms['code_predictor']} ms, "
+        f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB",
+        file=sys.stdout if not args.json else sys.stderr,
+    )
     if args.json:
         print(json.dumps(result))
     return 0
@@ -252,15 +301,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time to first audio, real-time factor, per-stage cost")
     _add_model(p)
-    p.add_argument("--frames", type=_positive, default=40, help="frames to generate, EOS ignored (default 40)")
+    p.add_argument(
+        "--frames", type=_positive, default=40, help="frames to generate, EOS ignored (default 40)"
+    )
     _add_threads(p)
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
-    p.add_argument("--pipeline", action="store_true",
-                   help="measure through the streaming actor pipeline (decoder overlapping)")
-    p.add_argument("--repeat", type=_positive, default=1,
-                   help="run N utterances and report each figure's median (default 1)")
-    p.add_argument("--trace", help="with --pipeline: write per-frame stage start/end times (JSON; "
-                                   "a list of them with --repeat)")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="measure through the streaming actor pipeline (decoder overlapping)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=_positive,
+        default=1,
+        help="run N utterances and report each figure's median (default 1)",
+    )
+    p.add_argument(
+        "--trace",
+        help="with --pipeline: write per-frame stage start/end times (JSON; a list of them with --repeat)",
+    )
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -281,22 +341,31 @@ def _add_voice(p: argparse.ArgumentParser) -> None:
 
 def speak_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kazeia-stream", description="Speak text with Qwen3-TTS, live.",
-        epilog="subcommands: " + ", ".join(SUBCOMMANDS) + " (kazeia-stream SUBCOMMAND -h)")
+        prog="kazeia-stream",
+        description="Speak text with Qwen3-TTS, live.",
+        epilog="subcommands: " + ", ".join(SUBCOMMANDS) + " (kazeia-stream SUBCOMMAND -h)",
+    )
     p.add_argument("text", nargs="?", help="the text to speak")
     p.add_argument("-o", "--output", help="write the audio to this file (.wav, .flac) instead of playing it")
-    p.add_argument("--pipe", action="store_true",
-                   help="read UTF-8 text from stdin (a line is an utterance), write raw PCM to stdout")
-    p.add_argument("--format", choices=FORMATS, default="s16le",
-                   help="--pipe PCM format, 24 kHz mono (default s16le)")
+    p.add_argument(
+        "--pipe",
+        action="store_true",
+        help="read UTF-8 text from stdin (a line is an utterance), write raw PCM to stdout",
+    )
+    p.add_argument(
+        "--format", choices=FORMATS, default="s16le", help="--pipe PCM format, 24 kHz mono (default s16le)"
+    )
     p.add_argument("--device", help="audio output device, by index or name (default: the system's)")
     _add_threads(p)
     _add_model(p)
     _add_voice(p)
     p.add_argument("--seed", type=int, help="random seed: the same seed gives the same audio")
-    p.add_argument("--text-streaming", action="store_true",
-                   help="with -o: feed the text one token per frame instead of all in the prefill "
-                   "(live modes always stream)")
+    p.add_argument(
+        "--text-streaming",
+        action="store_true",
+        help="with -o: feed the text one token per frame instead of all in the prefill "
+        "(live modes always stream)",
+    )
     _add_common(p)
     p.set_defaults(func=cmd_speak)
     return p

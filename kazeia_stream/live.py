@@ -33,8 +33,12 @@ async def speak_live(runtime: Runtime, text: str, *, device: str | int | None, *
             utterance = tts.speak(text)
             await play(utterance, player, SECONDS_PER_TOKEN * n_tokens, longest_s)
             m = utterance.metrics
-            log.info("first audio after %.3f s, real-time factor %.2f, %d underruns",
-                     m.ttfa_s or 0.0, m.rtf or 0.0, player.underruns)
+            log.info(
+                "first audio after %.3f s, real-time factor %.2f, %d underruns",
+                m.ttfa_s or 0.0,
+                m.rtf or 0.0,
+                player.underruns,
+            )
     return 0
 
 
@@ -73,9 +77,9 @@ def _decode(decoder: codecs.IncrementalDecoder, data: bytes) -> str:
             text += decoder.decode(data)
             break
         except UnicodeDecodeError as e:
-            text += data[:e.start].decode("utf-8", errors="ignore")
-            bad += data[e.start:e.end]
-            data = data[e.end:]
+            text += data[: e.start].decode("utf-8", errors="ignore")
+            bad += data[e.start : e.end]
+            data = data[e.end :]
             decoder.reset()
     if bad:
         print(f"kazeia-stream: skipped invalid UTF-8 bytes {bad!r}", file=sys.stderr)

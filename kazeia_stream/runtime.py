@@ -47,10 +47,10 @@ class Runtime:
         # the decoder actor holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        self.talker = Talker(model.llama_model.ptr, cfg.talker, LMOptions(self.threads.talker),
-                             self.cores)
-        self.code_predictor = CodePredictor(model.mmproj_file, cfg.code_predictor,
-                                            self.threads.code_predictor, cores=self.cores)
+        self.talker = Talker(model.llama_model.ptr, cfg.talker, LMOptions(self.threads.talker), self.cores)
+        self.code_predictor = CodePredictor(
+            model.mmproj_file, cfg.code_predictor, self.threads.code_predictor, cores=self.cores
+        )
         self.codec = CodecDecoder(model.mmproj_file, self.threads.decoder)
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self._engines = threading.Lock()  # held by the utterance using the engines
@@ -77,8 +77,10 @@ class Runtime:
     def _hold(self) -> Iterator[None]:
         """The engines, for a synchronous caller (blocking while another thread uses them)."""
         if not self._engines.acquire(blocking=not _in_trio()):
-            raise UsageError("the engines are busy with a session on this event loop: speak "
-                             "through a session, or call synthesize from a worker thread")
+            raise UsageError(
+                "the engines are busy with a session on this event loop: speak "
+                "through a session, or call synthesize from a worker thread"
+            )
         try:
             yield
         finally:
@@ -108,8 +110,10 @@ class Runtime:
         utterance fits in the talker's context after the session's fixed rows."""
         n = max_text_tokens(self.talker.n_ctx - probe.n_fixed)
         if n < MIN_SEGMENT_BYTES:
-            raise UsageError(f"the instruction takes {probe.n_fixed} of the talker's "
-                             f"{self.talker.n_ctx} positions, leaving no room for the text")
+            raise UsageError(
+                f"the instruction takes {probe.n_fixed} of the talker's "
+                f"{self.talker.n_ctx} positions, leaving no room for the text"
+            )
         return n
 
     def prepare(self, probe: Prompt) -> None:
@@ -119,9 +123,16 @@ class Runtime:
 
     # -- offline synthesis ---------------------------------------------------------------------
 
-    def audio(self, text: str, *, voice: str | None = None, language: str = "auto",
-              instruct: str | None = None, text_streaming: bool = False,
-              options: GenerationOptions = GenerationOptions()) -> Iterator[np.ndarray]:
+    def audio(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        language: str = "auto",
+        instruct: str | None = None,
+        text_streaming: bool = False,
+        options: GenerationOptions = GenerationOptions(),
+    ) -> Iterator[np.ndarray]:
         """The PCM of each frame, decoded as soon as it is generated. A long text is spoken as
         segments (`model.segments`), each its own utterance, back to back."""
         probe = self.probe(voice, language, instruct)
@@ -131,31 +142,53 @@ class Runtime:
         rng = np.random.default_rng(options.seed)
         with self._hold():
             for segment in segments:
-                prompt = self.model.prompt(segment, voice=voice, language=language,
-                                           instruct=instruct, text_streaming=text_streaming)
+                prompt = self.model.prompt(
+                    segment, voice=voice, language=language, instruct=instruct, text_streaming=text_streaming
+                )
                 state = self.frames.start(prompt, self.model.text_feed(prompt), options, rng)
                 decoder = self.codec.new_state()
                 while (codes := self.frames.next_frame(state)) is not None:
                     yield self.codec.push(decoder, codes[None])
 
-    def synthesize(self, text: str, *, voice: str | None = None, language: str = "auto",
-                   instruct: str | None = None, seed: int | None = None,
-                   text_streaming: bool = False, **options: Any) -> tuple[np.ndarray, int]:
+    def synthesize(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        language: str = "auto",
+        instruct: str | None = None,
+        seed: int | None = None,
+        text_streaming: bool = False,
+        **options: Any,
+    ) -> tuple[np.ndarray, int]:
         """Speak `text` offline: (float32 samples, sample rate). Stops at EOS or at a cap derived
         from the text length. `options` are `GenerationOptions` fields (temperature, top_k...);
         like the official API, the whole text is in the prefill unless `text_streaming`."""
-        chunks = list(self.audio(text, voice=voice, language=language, instruct=instruct,
-                                 text_streaming=text_streaming,
-                                 options=GenerationOptions(seed=seed, **options)))
+        chunks = list(
+            self.audio(
+                text,
+                voice=voice,
+                language=language,
+                instruct=instruct,
+                text_streaming=text_streaming,
+                options=GenerationOptions(seed=seed, **options),
+            )
+        )
         audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
         return audio, self.model.sample_rate
 
     # -- live sessions -------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def open(self, *, voice: str | None = None, language: str = "auto",
-                   instruct: str | None = None, text_streaming: bool = True,
-                   **generation: Any) -> AsyncIterator[Session]:
+    async def open(
+        self,
+        *,
+        voice: str | None = None,
+        language: str = "auto",
+        instruct: str | None = None,
+        text_streaming: bool = True,
+        **generation: Any,
+    ) -> AsyncIterator[Session]:
         """A speaking session. `generation` takes `GenerationOptions` fields (seed, temperature,
         top_k, ...). A bad voice or language fails here, not in the first utterance; the rows
         that all its utterances share are computed before the first text arrives."""
@@ -166,8 +199,9 @@ class Runtime:
             await trio.to_thread.run_sync(self.prepare, probe)
         with single_errors():
             async with trio.open_nursery() as nursery:
-                session = Session(self, nursery, voice, language, instruct, text_streaming,
-                                  options, max_bytes)
+                session = Session(
+                    self, nursery, voice, language, instruct, text_streaming, options, max_bytes
+                )
                 try:
                     yield session
                 finally:

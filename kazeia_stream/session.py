@@ -46,8 +46,7 @@ AUDIO_BUFFER = 4
 class Utterance:
     """An utterance being spoken: iterate it for `AudioChunk`s; `cancel()` stops it at once."""
 
-    def __init__(self, text: str | AsyncIterable[str], options: GenerationOptions,
-                 sample_rate: int) -> None:
+    def __init__(self, text: str | AsyncIterable[str], options: GenerationOptions, sample_rate: int) -> None:
         self.text, self.options = text, options
         self._send, self._receive = trio.open_memory_channel[AudioChunk](AUDIO_BUFFER)
         self.metrics = UtteranceMetrics(started=time.perf_counter(), sample_rate=sample_rate)
@@ -78,9 +77,17 @@ class Session:
     """A voice ready to speak utterance after utterance, in the order they were asked for;
     made by `Runtime.open`. Sessions on one runtime take turns on its engines."""
 
-    def __init__(self, runtime: Runtime, nursery: trio.Nursery, voice: str | None, language: str,
-                 instruct: str | None, text_streaming: bool, options: GenerationOptions,
-                 max_segment_bytes: int) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        nursery: trio.Nursery,
+        voice: str | None,
+        language: str,
+        instruct: str | None,
+        text_streaming: bool,
+        options: GenerationOptions,
+        max_segment_bytes: int,
+    ) -> None:
         self.runtime, self.model = runtime, runtime.model
         self.voice, self.language, self.instruct = voice, language, instruct
         self.text_streaming = text_streaming
@@ -138,16 +145,31 @@ class Session:
 
         def make_prompt(ids: list[int], complete: bool) -> Prompt:
             return self.model.prompt_from_tokens(
-                ids, voice=self.voice, language=self.language, instruct=self.instruct,
-                text_streaming=self.text_streaming, text_complete=complete)
+                ids,
+                voice=self.voice,
+                language=self.language,
+                instruct=self.instruct,
+                text_streaming=self.text_streaming,
+                text_complete=complete,
+            )
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed_text, self.model, utt.text, self.max_segment_bytes, text_send)
-            nursery.start_soon(generate_frames, self.model, rt.frames, make_prompt,
-                               self.text_streaming, utt.options, text_recv, frame_send,
-                               utt.metrics, first_audio)
-            nursery.start_soon(decode_frames, rt.codec, rt.cores, frame_recv, utt._send.clone(),
-                               utt.metrics, first_audio)
+            nursery.start_soon(
+                generate_frames,
+                self.model,
+                rt.frames,
+                make_prompt,
+                self.text_streaming,
+                utt.options,
+                text_recv,
+                frame_send,
+                utt.metrics,
+                first_audio,
+            )
+            nursery.start_soon(
+                decode_frames, rt.codec, rt.cores, frame_recv, utt._send.clone(), utt.metrics, first_audio
+            )
 
 
 def leaf(exc: BaseException) -> BaseException:

@@ -64,18 +64,37 @@ def start_pulse(root: Path, sample_rate: int = SAMPLE_RATE, timeout: float = 10.
     runtime.mkdir(parents=True, exist_ok=True)
     runtime.chmod(0o700)
     (home / ".asoundrc").write_text("pcm.!default pulse\nctl.!default pulse\n")
-    env = {"HOME": str(home), "XDG_RUNTIME_DIR": str(runtime),
-           "PULSE_SERVER": f"unix:{runtime / 'pulse' / 'native'}"}
+    env = {
+        "HOME": str(home),
+        "XDG_RUNTIME_DIR": str(runtime),
+        "PULSE_SERVER": f"unix:{runtime / 'pulse' / 'native'}",
+    }
     server = PulseServer(root, env, sample_rate)
     subprocess.run(
-        ["pulseaudio", "--daemonize=yes", "--exit-idle-time=-1", "--disallow-exit", "-n",
-         f"--load=module-null-sink sink_name={server.sink} rate={sample_rate}",
-         "--load=module-native-protocol-unix"],
-        env=server.subprocess_env(), check=True, capture_output=True, timeout=timeout)
+        [
+            "pulseaudio",
+            "--daemonize=yes",
+            "--exit-idle-time=-1",
+            "--disallow-exit",
+            "-n",
+            f"--load=module-null-sink sink_name={server.sink} rate={sample_rate}",
+            "--load=module-native-protocol-unix",
+        ],
+        env=server.subprocess_env(),
+        check=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     deadline = time.monotonic() + timeout
     while True:  # --daemonize returns once started, but make sure the socket answers
-        r = subprocess.run(["pactl", "info"], env=server.subprocess_env(), capture_output=True,
-                           text=True, timeout=timeout, check=False)
+        r = subprocess.run(
+            ["pactl", "info"],
+            env=server.subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if r.returncode == 0 and server.sink in r.stdout:
             break
         if time.monotonic() > deadline:
@@ -84,10 +103,22 @@ def start_pulse(root: Path, sample_rate: int = SAMPLE_RATE, timeout: float = 10.
         time.sleep(0.05)
     with open("/dev/zero", "rb") as zeros:
         server.keepalive = subprocess.Popen(
-            ["pacat", "--playback", "--raw", "-d", server.sink, "--format=s16le",
-             f"--rate={sample_rate}", "--channels=1", "--latency-msec=20"],
-            stdin=zeros, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env=server.subprocess_env())
+            [
+                "pacat",
+                "--playback",
+                "--raw",
+                "-d",
+                server.sink,
+                "--format=s16le",
+                f"--rate={sample_rate}",
+                "--channels=1",
+                "--latency-msec=20",
+            ],
+            stdin=zeros,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=server.subprocess_env(),
+        )
     with server.record() as rec:  # the first stream waits out the idle block: once, here
         rec.wait_for(0.2, timeout=timeout)
     return server
@@ -99,8 +130,9 @@ def stop_pulse(server: PulseServer) -> None:
         server.keepalive.terminate()
         server.keepalive.wait(timeout=5)
     pid_file = Path(server.env["XDG_RUNTIME_DIR"]) / "pulse" / "pid"
-    subprocess.run(["pulseaudio", "-k"], env=server.subprocess_env(), capture_output=True,
-                   timeout=10, check=False)
+    subprocess.run(
+        ["pulseaudio", "-k"], env=server.subprocess_env(), capture_output=True, timeout=10, check=False
+    )
     try:
         pid = int(pid_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -141,9 +173,20 @@ class Recorder:
         """Start `parec` and wait for `settle_s` of audio: the first chunk can hold a burst of
         the monitor's backlog, whose samples `wall_time` would misplace."""
         self._proc = subprocess.Popen(
-            ["parec", "-d", self.source, "--raw", "--format=float32le",
-             f"--rate={self.sample_rate}", "--channels=1", "--latency-msec=10"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env)
+            [
+                "parec",
+                "-d",
+                self.source,
+                "--raw",
+                "--format=float32le",
+                f"--rate={self.sample_rate}",
+                "--channels=1",
+                "--latency-msec=10",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=self.env,
+        )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         if settle_s > 0:
@@ -221,8 +264,7 @@ def chirp_signal(seconds: float = 2.0, sample_rate: int = SAMPLE_RATE) -> np.nda
     return (env * fade * np.sin(phase)).astype(np.float32)
 
 
-def tone(seconds: float, freq: float = 440.0, amp: float = 0.5,
-         sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+def tone(seconds: float, freq: float = 440.0, amp: float = 0.5, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     t = np.arange(int(seconds * sample_rate)) / sample_rate
     return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
 
@@ -234,7 +276,7 @@ def align(sent: np.ndarray, recorded: np.ndarray) -> tuple[int, np.ndarray]:
     size = 1 << (n - 1).bit_length()
     xc = np.fft.irfft(np.fft.rfft(recorded, size) * np.conj(np.fft.rfft(sent, size)), size)
     offset = int(np.argmax(xc[: len(recorded)])) if len(recorded) else 0
-    seg = recorded[offset: offset + len(sent)]
+    seg = recorded[offset : offset + len(sent)]
     return offset, np.pad(seg, (0, len(sent) - len(seg)))
 
 
@@ -249,8 +291,9 @@ def gain(sent: np.ndarray, received: np.ndarray) -> float:
     return float(np.dot(s, received) / np.dot(s, s))
 
 
-def active_spans(x: np.ndarray, threshold: float = 0.01, min_gap_s: float = 0.05,
-                 sample_rate: int = SAMPLE_RATE) -> list[tuple[int, int]]:
+def active_spans(
+    x: np.ndarray, threshold: float = 0.01, min_gap_s: float = 0.05, sample_rate: int = SAMPLE_RATE
+) -> list[tuple[int, int]]:
     """[start, end) sample ranges where |x| exceeds `threshold`, merging gaps < `min_gap_s`
     (a sine crosses zero twice a period)."""
     idx = np.flatnonzero(np.abs(x) > threshold)

@@ -25,8 +25,21 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         seed = TINY_SEEDS[kind] if seed is None else seed
         if (kind, seed) not in cache:
             out = tmp_path_factory.mktemp("checkpoints") / f"tiny-{kind}-{seed}"
-            subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--kind", kind,
-                            "--seed", str(seed), str(out)], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(MAKE_CHECKPOINT),
+                    "--preset",
+                    "tiny",
+                    "--kind",
+                    kind,
+                    "--seed",
+                    str(seed),
+                    str(out),
+                ],
+                check=True,
+                capture_output=True,
+            )
             cache[kind, seed] = out
         return cache[kind, seed]
 
@@ -34,8 +47,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 
 
 @pytest.fixture(scope="session")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory,
-              tiny_checkpoint: Callable[..., Path]) -> Callable[..., tuple[Path, Path]]:
+def tiny_gguf(
+    tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[..., Path]
+) -> Callable[..., tuple[Path, Path]]:
     """`tiny_gguf(kind, out_type="f32", seed=None)`: (talker, mmproj) GGUF paths of the
     converted tiny checkpoint."""
     from kazeia_stream.model.convert import convert
@@ -45,8 +59,9 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory,
     def make(kind: str, out_type: str = "f32", seed: int | None = None) -> tuple[Path, Path]:
         seed = TINY_SEEDS[kind] if seed is None else seed
         if (kind, out_type, seed) not in cache:
-            cache[kind, out_type, seed] = convert(tiny_checkpoint(kind, seed),
-                                                  tmp_path_factory.mktemp("gguf"), out_type)
+            cache[kind, out_type, seed] = convert(
+                tiny_checkpoint(kind, seed), tmp_path_factory.mktemp("gguf"), out_type
+            )
         return cache[kind, out_type, seed]
 
     return make
@@ -80,8 +95,9 @@ def pulse_null_sink(tmp_path_factory: pytest.TempPathFactory):
 
         names = [d["name"] for d in sd.query_devices() if d["max_output_channels"] > 0]
         if "default" not in names and "pulse" not in names:
-            pytest.skip(f"ALSA does not see PulseAudio (outputs: {names}); "
-                        "apt-get install libasound2-plugins")
+            pytest.skip(
+                f"ALSA does not see PulseAudio (outputs: {names}); apt-get install libasound2-plugins"
+            )
         yield server
     finally:
         stop_pulse(server)
@@ -124,3 +140,10 @@ def capped_model(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Call
     config = json.loads((ckpt / "generation_config.json").read_text())
     (ckpt / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 4}))
     return convert(ckpt, tmp_path_factory.mktemp("gguf"), "f32")[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the real-time sound device are marked `realtime` (deselect with -m)."""
+    for item in items:
+        if "pulse_null_sink" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.realtime)

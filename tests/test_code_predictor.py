@@ -88,7 +88,9 @@ def test_exact_mode_is_the_same_on_an_f32_file(case):
     exact = CodePredictor(model.mmproj_file, model.config.code_predictor, 2, exact=True)
     try:
         h, codes = ref["talker_hidden"][2], ref["codes"][2]
-        np.testing.assert_array_equal(exact.teacher_forced_logits(h, codes), cp.teacher_forced_logits(h, codes))
+        np.testing.assert_array_equal(
+            exact.teacher_forced_logits(h, codes), cp.teacher_forced_logits(h, codes)
+        )
     finally:
         exact.close()
 
@@ -101,7 +103,9 @@ def test_f16_and_q8_0_files_stay_close_in_both_modes(tiny_gguf, out_type, tol):
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
     for exact in (True, False):
         cp = CodePredictor(model.mmproj_file, model.config.code_predictor, 1, exact=exact)
-        logits = np.stack([cp.teacher_forced_logits(h, c) for h, c in zip(ref["talker_hidden"], ref["codes"])])
+        logits = np.stack(
+            [cp.teacher_forced_logits(h, c) for h, c in zip(ref["talker_hidden"], ref["codes"])]
+        )
         codes = ref["codes"][0]
         forced = iter(codes[1:])
         _, embedding = cp.predict(ref["talker_hidden"][0], int(codes[0]), lambda logits: int(next(forced)))

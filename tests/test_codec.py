@@ -68,7 +68,7 @@ def test_streaming_equals_one_shot(decoder, reference, one_shot, name):
     state = decoder.new_state()
     parts, start = [], 0
     for n in chunks:
-        part = decoder.push(state, codes[start: start + n])
+        part = decoder.push(state, codes[start : start + n])
         assert part.shape == (n * decoder.samples_per_frame,)
         parts.append(part)
         start += n
@@ -81,8 +81,8 @@ def test_utterances_interleaved_on_one_decoder_keep_their_own_state(decoder, ref
     other = codes[::-1]  # another utterance, pushed between a's chunks: conv tails, K/V, positions
     parts = []
     for i in range(0, 40, 8):
-        parts.append(decoder.push(a, codes[i: i + 8]))
-        decoder.push(b, other[i: i + 5])
+        parts.append(decoder.push(a, codes[i : i + 8]))
+        decoder.push(b, other[i : i + 5])
     np.testing.assert_allclose(np.concatenate(parts), one_shot[: 40 * 1920], rtol=0, atol=1e-5)
     assert a.position == 40 and b.position == 25
     # decode() starts a fresh utterance, whatever the decoder did before

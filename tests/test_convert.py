@@ -52,8 +52,7 @@ def fields(path: Path):
 
 def load_ref(kind: str) -> dict[str, np.ndarray]:
     path = REFS / f"convert_{kind}.npz"
-    if not path.exists():
-        pytest.skip(f"{path} not generated yet")
+    assert path.exists(), f"{path} is missing: make it with tools/make_references.py"
     return dict(np.load(path))
 
 
@@ -62,8 +61,9 @@ def ref_gguf(ref: dict[str, np.ndarray], tiny_checkpoint, tiny_gguf) -> tuple[Pa
     spec = json.loads(str(ref["checkpoint_json"]))
     assert spec["preset"] == "tiny"
     weights = tiny_checkpoint(spec["kind"], spec["seed"]) / "model.safetensors"
-    assert hashlib.sha256(weights.read_bytes()).hexdigest() == str(ref["weights_sha256"]), \
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == str(ref["weights_sha256"]), (
         "the reference is stale: regenerate it with tools/make_references.py"
+    )
     return tiny_gguf(spec["kind"], "f32", spec["seed"])
 
 
@@ -74,6 +74,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rel: float = 1e-5) ->
 # ------------------------------------------------------------------------------------------------
 # Values against the official modules
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_talker_embeddings_match_official(kind, tiny_checkpoint, tiny_gguf):
@@ -108,19 +109,27 @@ def test_snake_and_codec_copies_match_checkpoint(tiny_checkpoint, tiny_gguf):
 
     st = load_file(tiny_checkpoint("custom_voice") / "speech_tokenizer" / "model.safetensors")
     t = tensors(tiny_gguf("custom_voice")[1])
-    np.testing.assert_allclose(t[L.WAV_DAC_POST_SNAKE + ".alpha"], np.exp(st["decoder.decoder.5.alpha"]), rtol=1e-6)
-    np.testing.assert_allclose(t[L.WAV_DAC_POST_SNAKE + ".beta"],
-                               1 / (np.exp(st["decoder.decoder.5.beta"]) + 1e-9), rtol=1e-6)
+    np.testing.assert_allclose(
+        t[L.WAV_DAC_POST_SNAKE + ".alpha"], np.exp(st["decoder.decoder.5.alpha"]), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        t[L.WAV_DAC_POST_SNAKE + ".beta"], 1 / (np.exp(st["decoder.decoder.5.beta"]) + 1e-9), rtol=1e-6
+    )
     np.testing.assert_array_equal(t[L.WAV_PRE_CONV + ".weight"], st["decoder.pre_conv.conv.weight"])
-    np.testing.assert_array_equal(t[L.WAV_QUANT_REST_IN], st["decoder.quantizer.rvq_rest.input_proj.weight"][..., 0])
+    np.testing.assert_array_equal(
+        t[L.WAV_QUANT_REST_IN], st["decoder.quantizer.rvq_rest.input_proj.weight"][..., 0]
+    )
     cb = "decoder.quantizer.rvq_rest.vq.layers.3._codebook."
-    np.testing.assert_allclose(t[L.WAV_QUANT_REST_CB][3],
-                               st[cb + "embedding_sum"] / np.maximum(st[cb + "cluster_usage"], 1e-5)[:, None])
+    np.testing.assert_allclose(
+        t[L.WAV_QUANT_REST_CB][3],
+        st[cb + "embedding_sum"] / np.maximum(st[cb + "cluster_usage"], 1e-5)[:, None],
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Layout and metadata
 # ------------------------------------------------------------------------------------------------
+
 
 def test_talker_vocabulary(tiny_gguf):
     f = fields(tiny_gguf("custom_voice")[0])
@@ -155,7 +164,9 @@ def test_talker_metadata(tiny_checkpoint, tiny_gguf):
     assert f(L.KEY_CONTEXT_LENGTH) == 32768 and f(L.KEY_ROPE_FREQ_BASE) == 1e6
     assert f(L.KEY_TTS_MODEL_TYPE) == "custom_voice" and f(L.KEY_TTS_MODEL_SIZE) == "0b6"
     assert dict(zip(f(L.KEY_DIALECT_SPEAKERS), f(L.KEY_DIALECT_LANGUAGES))) == {
-        "eric": "sichuan_dialect", "dylan": "beijing_dialect"}
+        "eric": "sichuan_dialect",
+        "dylan": "beijing_dialect",
+    }
     assert f(L.KEY_GENERATION_PREFIX + "subtalker_do_sample") is True
     assert f(L.KEY_GENERATION_PREFIX + "top_k") == 50
     assert f(L.KEY_GENERATION_PREFIX + "repetition_penalty") == pytest.approx(1.05)
@@ -174,13 +185,21 @@ def test_mmproj_layout(kind, tiny_gguf):
     assert (L.SPK_RES2.format(bid=3, xid=6) + ".bias" in names) is has_spkenc
     # the tiny voice_design talker is wider than its code predictor
     assert (L.CP_PROJ_IN + ".weight" in names) is (kind == "voice_design")
-    assert {L.CP_EMBD, L.CP_HEAD, L.CP_OUT_EMBD, L.WAV_QUANT_REST_CB, L.WAV_UP_GAMMA.format(bid=1),
-            L.WAV_DAC_RES_CONV2.format(bid=3, xid=2) + ".weight", L.WAV_DAC_POST_CONV + ".bias"} <= names
+    assert {
+        L.CP_EMBD,
+        L.CP_HEAD,
+        L.CP_OUT_EMBD,
+        L.WAV_QUANT_REST_CB,
+        L.WAV_UP_GAMMA.format(bid=1),
+        L.WAV_DAC_RES_CONV2.format(bid=3, xid=2) + ".weight",
+        L.WAV_DAC_POST_CONV + ".bias",
+    } <= names
 
 
 # ------------------------------------------------------------------------------------------------
 # libllama
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def llama():
@@ -224,8 +243,20 @@ def test_talker_tokenizes_like_qwen2(llama, tiny_checkpoint, tiny_gguf):
         vocab = llama.llama_model_get_vocab(model)
         got = tokenize(llama, vocab, "<|im_start|>assistant\nHello world 2024<|im_end|>\n")
         # Qwen2 splits numbers into single digits
-        expected = [151644, ids["assistant"], ids["Ċ"], ids["Hello"], ids["Ġworld"], ids["Ġ"],
-                    ids["2"], ids["0"], ids["2"], ids["4"], 151645, ids["Ċ"]]
+        expected = [
+            151644,
+            ids["assistant"],
+            ids["Ċ"],
+            ids["Hello"],
+            ids["Ġworld"],
+            ids["Ġ"],
+            ids["2"],
+            ids["0"],
+            ids["2"],
+            ids["4"],
+            151645,
+            ids["Ċ"],
+        ]
         assert got == expected
         assert tokenize(llama, vocab, "<tts_pad><tts_text_bos>") == [151671, 151672]
     finally:
@@ -253,6 +284,7 @@ def test_talker_decodes_codec_logits(llama, tiny_gguf):
 # Output types
 # ------------------------------------------------------------------------------------------------
 
+
 def expected_type(name: str, shape: tuple[int, ...], out_type: str) -> QType:
     cp_ffn_down = name.startswith("a.gen.code.blk.") and name.endswith(".ffn_down.weight")
     if out_type == "f32" or len(shape) < 2 or name.startswith(L.WAV_PREFIX) or cp_ffn_down:
@@ -278,7 +310,11 @@ def test_types(out_type, tiny_gguf):
 
 def test_codec_stays_f32(tiny_gguf):
     for out_type in ("f16", "q8_0"):
-        codec = {n: t for n, t in types(tiny_gguf("custom_voice", out_type)[1]).items() if n.startswith(L.WAV_PREFIX)}
+        codec = {
+            n: t
+            for n, t in types(tiny_gguf("custom_voice", out_type)[1]).items()
+            if n.startswith(L.WAV_PREFIX)
+        }
         assert len(codec) > 100 and set(codec.values()) == {QType.F32}
 
 
@@ -289,6 +325,7 @@ def test_types_are_described():
 # ------------------------------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def broken(tiny_checkpoint, tmp_path):
@@ -308,8 +345,17 @@ def test_missing_directory(tmp_path):
     convert_fails(tmp_path / "nope", tmp_path / "out", "nope")
 
 
-@pytest.mark.parametrize("file", ["config.json", "model.safetensors", "vocab.json", "merges.txt",
-                                  "speech_tokenizer/model.safetensors", "generation_config.json"])
+@pytest.mark.parametrize(
+    "file",
+    [
+        "config.json",
+        "model.safetensors",
+        "vocab.json",
+        "merges.txt",
+        "speech_tokenizer/model.safetensors",
+        "generation_config.json",
+    ],
+)
 def test_missing_file(file, broken, tmp_path):
     (broken / file).unlink()
     convert_fails(broken, tmp_path / "out", file, "not found")
@@ -343,9 +389,9 @@ def test_missing_tensor(broken, tmp_path):
     path = broken / "model.safetensors"
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     del header["speaker_encoder.fc.weight"]
-    path.write_bytes(raw[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(n) + raw[8 + n:])
+    path.write_bytes(raw[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(n) + raw[8 + n :])
     convert_fails(broken, tmp_path / "out", "model.safetensors", "missing tensor speaker_encoder.fc.weight")
 
 

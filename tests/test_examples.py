@@ -6,15 +6,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import soundfile as sf
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_conversation_example_speaks_and_barges_in(tiny_gguf, tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "conversation.py"), "--model",
-                        str(tiny_gguf("custom_voice")[0]), "--barge-in-after", "0.5",
-                        "--out-dir", str(tmp_path)], capture_output=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "conversation.py"),
+            "--model",
+            str(tiny_gguf("custom_voice")[0]),
+            "--barge-in-after",
+            "0.5",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr.decode()
     lines = r.stdout.decode().splitlines()
     assert "cancelled" in lines[2] and "complete" in lines[0] and "complete" in lines[3]

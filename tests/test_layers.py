@@ -46,10 +46,13 @@ def test_each_layer_imports_only_from_below(layer):
         assert imported <= BELOW[layer], f"{path.name} imports {sorted(imported - BELOW[layer])}"
 
 
+@pytest.mark.subprocess
 def test_importing_the_package_and_its_pure_modules_starts_no_libllama_nor_trio():
-    code = ("import sys, kazeia_stream, kazeia_stream.model.segments, kazeia_stream.model.text_stream,"
-            " kazeia_stream.model.prompt; print(sorted(m for m in sys.modules if m.startswith("
-            "('llama_cpp', 'trio'))))")
+    code = (
+        "import sys, kazeia_stream, kazeia_stream.model.segments, kazeia_stream.model.text_stream,"
+        " kazeia_stream.model.prompt; print(sorted(m for m in sys.modules if m.startswith("
+        "('llama_cpp', 'trio'))))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -64,9 +67,24 @@ def test_thread_counts_are_checked():
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "100000"])
+@pytest.mark.subprocess
 def test_the_cli_refuses_bad_thread_counts_in_one_line(tiny_gguf, value):
-    r = subprocess.run([sys.executable, "-m", "kazeia_stream", "bench", "--model",
-                        str(tiny_gguf("custom_voice")[0]), "--threads", value, "--frames", "2"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kazeia_stream",
+            "bench",
+            "--model",
+            str(tiny_gguf("custom_voice")[0]),
+            "--threads",
+            value,
+            "--frames",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "threads" in r.stderr.strip().splitlines()[-1]

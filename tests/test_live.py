@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 import trio
-
 from audio import align, correlation, gain
+
 from kazeia_stream.stages.playback import AudioPlayer
 
 TEXT = "Hello there, this is the live playback test."
@@ -21,13 +21,28 @@ def model_path(tiny_gguf) -> str:
     return str(tiny_gguf("custom_voice")[0])
 
 
+@pytest.mark.subprocess
 def test_cli_plays_the_speech_in_real_time(pulse_null_sink, model_path, tiny_runtime):
     sent = tiny_runtime("custom_voice").synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0]
     with pulse_null_sink.record() as rec:
         start = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "kazeia_stream", TEXT, "--model", model_path,
-                            "--voice", "ryan", "--seed", "5"], capture_output=True, timeout=300,
-                           env=pulse_null_sink.subprocess_env())
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kazeia_stream",
+                TEXT,
+                "--model",
+                model_path,
+                "--voice",
+                "ryan",
+                "--seed",
+                "5",
+            ],
+            capture_output=True,
+            timeout=300,
+            env=pulse_null_sink.subprocess_env(),
+        )
         wall = time.perf_counter() - start
         time.sleep(0.3)
     assert r.returncode == 0, r.stderr.decode()
@@ -38,10 +53,14 @@ def test_cli_plays_the_speech_in_real_time(pulse_null_sink, model_path, tiny_run
     assert wall >= len(sent) / 24000  # it waits until the last sample was heard
 
 
+@pytest.mark.subprocess
 def test_missing_device_is_a_one_line_error(pulse_null_sink, model_path):
-    r = subprocess.run([sys.executable, "-m", "kazeia_stream", "Hi.", "--model", model_path,
-                        "--device", "no-such-card"], capture_output=True, timeout=120,
-                       env=pulse_null_sink.subprocess_env())
+    r = subprocess.run(
+        [sys.executable, "-m", "kazeia_stream", "Hi.", "--model", model_path, "--device", "no-such-card"],
+        capture_output=True,
+        timeout=120,
+        env=pulse_null_sink.subprocess_env(),
+    )
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and "no audio output device 'no-such-card'" in err
     assert len(err.splitlines()) == 1

@@ -16,9 +16,13 @@ from kazeia_stream.engine.llm import LMOptions
 from kazeia_stream.engine.talker import Talker
 from kazeia_stream.model.segments import split_text
 
-PARAGRAPH = ("The lighthouse keeper climbed the stairs every evening at dusk. He polished the great "
-             "lens, trimmed the wick, and watched the ships pass along the rocky coast! Did anyone "
-             "ever thank him? Perhaps not, but he did not mind; the light was its own reward.\n\n")
+pytestmark = [pytest.mark.slow]
+
+PARAGRAPH = (
+    "The lighthouse keeper climbed the stairs every evening at dusk. He polished the great "
+    "lens, trimmed the wick, and watched the ships pass along the rocky coast! Did anyone "
+    "ever thank him? Perhaps not, but he did not mind; the light was its own reward.\n\n"
+)
 PAGE = (PARAGRAPH * 30)[:5000]
 FRAME = 1920
 
@@ -50,7 +54,7 @@ def test_a_page_is_split_at_sentences_into_utterances_that_fit_the_talker(runtim
 
 
 def test_the_api_speaks_every_segment(runtime, segments):
-    audio, rate = runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)
+    audio, _ = runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)
     assert len(audio) % FRAME == 0 and frames_per_segment(len(audio) // FRAME, len(segments))
     again, _ = runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)
     assert np.array_equal(audio, again)
@@ -61,7 +65,7 @@ async def test_a_session_speaks_every_segment_back_to_back(runtime, segments):
 
     async def llm():
         for i in range(0, len(PAGE), 37):
-            yield PAGE[i:i + 37]
+            yield PAGE[i : i + 37]
             await trio.sleep(0)
 
     async with runtime.open(voice="ryan", seed=2) as tts:
@@ -74,11 +78,27 @@ async def test_a_session_speaks_every_segment_back_to_back(runtime, segments):
             assert indices == sorted(indices) and utterance.metrics.frames == len(pcm) // FRAME
 
 
+@pytest.mark.subprocess
 def test_the_cli_writes_the_whole_page(runtime, segments, capped_model, tmp_path):
     out = tmp_path / "page.wav"
-    r = subprocess.run([sys.executable, "-m", "kazeia_stream", PAGE, "-o", str(out), "--model",
-                        str(capped_model), "--voice", "ryan", "--seed", "4"], capture_output=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kazeia_stream",
+            PAGE,
+            "-o",
+            str(out),
+            "--model",
+            str(capped_model),
+            "--voice",
+            "ryan",
+            "--seed",
+            "4",
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr.decode()
     written, _ = sf.read(str(out), dtype="float32")
     audio, _ = runtime.synthesize(PAGE, voice="ryan", seed=4)
@@ -86,11 +106,28 @@ def test_the_cli_writes_the_whole_page(runtime, segments, capped_model, tmp_path
     assert frames_per_segment(len(written) // FRAME, len(segments))
 
 
+@pytest.mark.subprocess
 def test_pipe_speaks_a_page_on_one_line(runtime, segments, capped_model):
     line = PAGE.replace("\n", " ")
-    r = subprocess.run([sys.executable, "-m", "kazeia_stream", "--pipe", "--model", str(capped_model),
-                        "--voice", "ryan", "--seed", "4", "--format", "f32le"],
-                       input=(line + "\n").encode(), capture_output=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kazeia_stream",
+            "--pipe",
+            "--model",
+            str(capped_model),
+            "--voice",
+            "ryan",
+            "--seed",
+            "4",
+            "--format",
+            "f32le",
+        ],
+        input=(line + "\n").encode(),
+        capture_output=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr.decode()
     pcm = np.frombuffer(r.stdout, "<f4")
     audio, _ = runtime.synthesize(line, voice="ryan", seed=4, text_streaming=True)
@@ -104,9 +141,12 @@ def test_an_utterance_stops_at_the_end_of_the_talker_context(tiny_runtime):
     small = Talker(model.llama_model.ptr, model.config.talker, LMOptions(1, n_ctx=40))
     loop = FrameLoop(small, runtime.code_predictor, model.config)
     prompt = model.prompt("Hello there.", voice="ryan")
-    state = loop.start(prompt, model.text_feed(prompt),
-                       GenerationOptions(seed=0, max_frames=500, ignore_eos=True),
-                       np.random.default_rng(0))
+    state = loop.start(
+        prompt,
+        model.text_feed(prompt),
+        GenerationOptions(seed=0, max_frames=500, ignore_eos=True),
+        np.random.default_rng(0),
+    )
     n = 0
     while loop.next_frame(state) is not None:
         n += 1

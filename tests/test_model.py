@@ -64,9 +64,13 @@ def test_prefill_matches_the_official_embeddings(kind, request):
     model = request.getfixturevalue(kind)
     for case, prefill_ref, trailing_ref, ids_ref in _prefill_cases(kind):
         assert model._encode(assistant_text(case["text"])) == ids_ref.tolist(), case["name"]
-        prefill, trailing = model.prefill(case["text"], voice=case["voice"], language=case["language"],
-                                          instruct=case["instruct"],
-                                          text_streaming=not case["non_streaming"])
+        prefill, trailing = model.prefill(
+            case["text"],
+            voice=case["voice"],
+            language=case["language"],
+            instruct=case["instruct"],
+            text_streaming=not case["non_streaming"],
+        )
         assert prefill.shape == prefill_ref.shape and trailing.shape == trailing_ref.shape, case["name"]
         scale = np.abs(prefill_ref).max()
         assert np.abs(prefill - prefill_ref).max() <= 1e-6 * scale, case["name"]
@@ -77,12 +81,16 @@ def test_prefill_matches_the_official_embeddings(kind, request):
 def test_fixed_rows_are_exactly_what_prompts_of_one_voice_share(kind, request):
     model = request.getfixturevalue(kind)
     for case, *_ in _prefill_cases(kind):
-        settings = dict(voice=case["voice"], language=case["language"], instruct=case["instruct"],
-                        text_streaming=not case["non_streaming"])
+        settings = dict(
+            voice=case["voice"],
+            language=case["language"],
+            instruct=case["instruct"],
+            text_streaming=not case["non_streaming"],
+        )
         a = model.prompt(case["text"], **settings)
         b = model.prompt("Quite another text, 42.", **settings)
         assert a.n_fixed == b.n_fixed < min(len(a.prefill), len(b.prefill)), case["name"]
-        assert np.array_equal(a.prefill[:a.n_fixed], b.prefill[:b.n_fixed]), case["name"]
+        assert np.array_equal(a.prefill[: a.n_fixed], b.prefill[: b.n_fixed]), case["name"]
         assert not np.array_equal(a.prefill[a.n_fixed], b.prefill[b.n_fixed]), case["name"]
 
 
@@ -128,6 +136,7 @@ def test_tokenizer_matches_the_official_qwen2_tokenizer(custom_voice):
 
 
 # --- bad files ---------------------------------------------------------------------------------
+
 
 def _copy_pair(tiny_gguf, tmp_path: Path) -> tuple[Path, Path]:
     talker, mmproj = tiny_gguf("custom_voice")

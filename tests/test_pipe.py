@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
-import kazeia_stream
 from kazeia_stream.stages.sinks import pcm_bytes
+
+pytestmark = [pytest.mark.subprocess]
 
 LINES = ["Hello there, this is the first line.", "And a second one!"]
 
@@ -41,8 +42,19 @@ def same_pcm(data: bytes, expected: list[np.ndarray], fmt: str) -> bool:
 
 
 def pipe(model_path: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kazeia_stream", "--pipe", "--model", model_path,
-            "--voice", "ryan", "--seed", "9", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "kazeia_stream",
+        "--pipe",
+        "--model",
+        model_path,
+        "--voice",
+        "ryan",
+        "--seed",
+        "9",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["s16le", "f32le"])
@@ -63,8 +75,9 @@ def test_invalid_utf8_is_reported_and_skipped(model_path, expected):
 
 
 def test_a_reader_that_closes_early_ends_it_quietly(model_path):
-    proc = subprocess.Popen(pipe(model_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        pipe(model_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdin.write(("A long line that would take a while to speak entirely. " * 4 + "\n").encode())
     proc.stdin.flush()
     first = proc.stdout.read(1920 * 2)
@@ -78,8 +91,9 @@ def test_a_reader_that_closes_early_ends_it_quietly(model_path):
 
 
 def test_pcm_is_flushed_per_chunk_while_the_text_is_still_being_written(model_path):
-    proc = subprocess.Popen(pipe(model_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        pipe(model_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdin.write(b"Hello there, the line is not finished yet and")
     proc.stdin.flush()
     first = proc.stdout.read(1920 * 2)  # audio arrives before the newline

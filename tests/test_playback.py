@@ -37,15 +37,16 @@ def test_prebuffer_formula() -> None:
 
 
 def _fake_sd(devices: list[dict], default: int = -1) -> SimpleNamespace:
-    return SimpleNamespace(query_devices=lambda: devices,
-                           default=SimpleNamespace(device=[default, default]))
+    return SimpleNamespace(query_devices=lambda: devices, default=SimpleNamespace(device=[default, default]))
 
 
 def test_device_resolution_without_audio() -> None:
-    devs = [{"name": "mic", "max_output_channels": 0},
-            {"name": "HDA Intel PCH: ALC3246 Analog (hw:0,0)", "max_output_channels": 2},
-            {"name": "pulse", "max_output_channels": 32},
-            {"name": "default", "max_output_channels": 32}]
+    devs = [
+        {"name": "mic", "max_output_channels": 0},
+        {"name": "HDA Intel PCH: ALC3246 Analog (hw:0,0)", "max_output_channels": 2},
+        {"name": "pulse", "max_output_channels": 32},
+        {"name": "default", "max_output_channels": 32},
+    ]
     sd = _fake_sd(devs, default=3)
     assert playback._resolve_device(sd, None) == 3
     assert playback._resolve_device(sd, 2) == 2
@@ -79,12 +80,20 @@ def test_write_rejects_stereo() -> None:
 # -- real audio ----------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_devices_visible_here_and_in_subprocesses(pulse_null_sink) -> None:
     assert any(d.endswith(": default") for d in list_output_devices())
     out = subprocess.run(
-        [sys.executable, "-c", ("from kazeia_stream.stages.playback import list_output_devices;"
-                                "print(list_output_devices())")],
-        env=pulse_null_sink.subprocess_env(), capture_output=True, text=True, check=True).stdout
+        [
+            sys.executable,
+            "-c",
+            ("from kazeia_stream.stages.playback import list_output_devices;print(list_output_devices())"),
+        ],
+        env=pulse_null_sink.subprocess_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "default" in out and "pulse" in out
 
 
@@ -104,7 +113,7 @@ def test_plays_signal_exactly_in_real_time(pulse_null_sink) -> None:
     with pulse_null_sink.record() as rec, AudioPlayer(SR) as player:
         t0 = time.monotonic()
         for i in range(0, len(sent), 1920):  # 80 ms frames, as the engine produces them
-            player.write(sent[i:i + 1920])
+            player.write(sent[i : i + 1920])
         write_s = time.monotonic() - t0
         assert player.queued_seconds == pytest.approx(2.0, abs=0.1)
         assert player.wait_done(timeout=5)
@@ -117,9 +126,11 @@ def test_plays_signal_exactly_in_real_time(pulse_null_sink) -> None:
     spans = active_spans(got)
     heard, ended = rec.wall_time(spans[-1][0]), rec.wall_time(spans[-1][1])
     span_wall = ended - heard
-    print(f"writes {1000 * write_s:.1f} ms, first sound after {1000 * (heard - t0):.0f} ms, "
-          f"wait_done {1000 * (t_done - ended):+.0f} ms from the last sound, corr {corr:.5f}, "
-          f"gain {g:.4f}, played span {span_wall:.3f} s (wall)")
+    print(
+        f"writes {1000 * write_s:.1f} ms, first sound after {1000 * (heard - t0):.0f} ms, "
+        f"wait_done {1000 * (t_done - ended):+.0f} ms from the last sound, corr {corr:.5f}, "
+        f"gain {g:.4f}, played span {span_wall:.3f} s (wall)"
+    )
     assert write_s < 0.05  # the producer never waits for the device
     assert corr > 0.99
     assert g == pytest.approx(1.0, abs=0.03)

@@ -7,9 +7,11 @@ import pytest
 
 from kazeia_stream.model.segments import Segmenter, split_text
 
-PROSE = ("The keeper climbed the stairs at dusk. He polished the lens, trimmed the wick, and "
-         "watched the ships pass the rocks! Did anyone thank him? Perhaps not (he did not mind).\n\n"
-         "A new paragraph starts here, \u201cquoted.\u201d And it goes on\u2026 ")
+PROSE = (
+    "The keeper climbed the stairs at dusk. He polished the lens, trimmed the wick, and "
+    "watched the ships pass the rocks! Did anyone thank him? Perhaps not (he did not mind).\n\n"
+    "A new paragraph starts here, \u201cquoted.\u201d And it goes on\u2026 "
+)
 CJK = "\u4eca\u5929\u5929\u6c14\u5f88\u597d\u3002\u6211\u4eec\u53bb\u516c\u56ed\u5427\uff01" * 12
 TEXTS = [PROSE * 6, CJK, "x" * 300 + " tail", "Short.", PROSE + CJK + " mixed " * 20]
 
@@ -42,8 +44,7 @@ def test_segments_fit_and_keep_every_character_but_the_whitespace_between_them(t
     segments = split_text(text, max_bytes)
     assert all(0 < len(s.encode()) <= max_bytes for s in segments)
     assert all(s == s.strip() for s in segments)
-    assert "".join(segments).replace(" ", "").replace("\n", "") == \
-        text.replace(" ", "").replace("\n", "")
+    assert "".join(segments).replace(" ", "").replace("\n", "") == text.replace(" ", "").replace("\n", "")
 
 
 def test_a_text_that_fits_is_one_segment_and_long_ones_end_at_sentences():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
+import llama_cpp
 import numpy as np
 import pytest
 import trio
 
 import kazeia_stream
-import llama_cpp
 from kazeia_stream import UsageError
 from kazeia_stream.session import AUDIO_BUFFER, FRAME_BUFFER
 
@@ -30,7 +30,7 @@ async def llm_tokens(text: str, delay: float):
     """A simulated LLM: the text in 3-character pieces, one every `delay` seconds."""
     for i in range(0, len(text), 3):
         await trio.sleep(delay)
-        yield text[i:i + 3]
+        yield text[i : i + 3]
 
 
 def same_audio(a: np.ndarray, b: np.ndarray) -> bool:
@@ -120,8 +120,11 @@ async def test_a_slow_consumer_holds_the_producers_back(runtime):
 async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime, monkeypatch):
     threads = []  # libllama's thread count, each time it changes
     set_threads = llama_cpp.llama_set_n_threads
-    monkeypatch.setattr(llama_cpp, "llama_set_n_threads",
-                        lambda ctx, n, n_batch: threads.append(n) or set_threads(ctx, n, n_batch))
+    monkeypatch.setattr(
+        llama_cpp,
+        "llama_set_n_threads",
+        lambda ctx, n, n_batch: threads.append(n) or set_threads(ctx, n, n_batch),
+    )
     async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         await collect(utterance)

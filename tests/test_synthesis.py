@@ -25,8 +25,9 @@ def runtime(tiny_runtime) -> kazeia_stream.Runtime:
 
 
 def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kazeia_stream", *args], capture_output=True,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "kazeia_stream", *args], capture_output=True, timeout=300, **kw
+    )
 
 
 def test_synthesize_is_seeded_and_capped(runtime):
@@ -39,7 +40,7 @@ def test_synthesize_is_seeded_and_capped(runtime):
     assert len(audio) // 1920 <= frame_cap(n_tokens, 8192)
     assert np.array_equal(audio, again)
     assert not (len(audio) == len(other) and np.array_equal(audio, other))
-    assert np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 1e-3
+    assert np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio**2)) > 1e-3
 
 
 def test_ignore_eos_gives_exactly_max_frames(runtime):
@@ -47,10 +48,12 @@ def test_ignore_eos_gives_exactly_max_frames(runtime):
     assert len(audio) == 7 * 1920
 
 
+@pytest.mark.subprocess
 def test_cli_writes_a_wav_equal_to_the_api(runtime, tiny_gguf, tmp_path):
     out = tmp_path / "out.wav"
-    r = run_cli(TEXT, "-o", str(out), "--model", str(tiny_gguf("custom_voice")[0]),
-                "--voice", "ryan", "--seed", "3")
+    r = run_cli(
+        TEXT, "-o", str(out), "--model", str(tiny_gguf("custom_voice")[0]), "--voice", "ryan", "--seed", "3"
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout == b""
     info = sf.info(str(out))
@@ -61,11 +64,15 @@ def test_cli_writes_a_wav_equal_to_the_api(runtime, tiny_gguf, tmp_path):
     assert np.abs(pcm - audio).max() <= 1.5 / 32768  # 16-bit PCM rounding
 
 
-@pytest.mark.parametrize("args, message", [
-    (["   "], "the text is empty"),
-    (["Hi.", "--voice", "nobody"], "unknown voice 'nobody'"),
-    (["Hi.", "--language", "klingon"], "unknown language 'klingon'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["   "], "the text is empty"),
+        (["Hi.", "--voice", "nobody"], "unknown voice 'nobody'"),
+        (["Hi.", "--language", "klingon"], "unknown language 'klingon'"),
+    ],
+)
+@pytest.mark.subprocess
 def test_cli_bad_input_is_one_line_and_writes_nothing(args, message, tiny_gguf, tmp_path):
     out = tmp_path / "out.wav"
     r = run_cli(*args, "-o", str(out), "--model", str(tiny_gguf("custom_voice")[0]))
@@ -75,24 +82,41 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(args, message, tiny_gguf, 
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.subprocess
 def test_cli_without_a_model_says_how_to_make_one(tmp_path):
     r = run_cli("Hi.", "-o", str(tmp_path / "x.wav"), env={"PATH": "/usr/bin:/bin"})
     assert r.returncode != 0 and b"kazeia-stream convert" in r.stderr
 
 
+@pytest.mark.subprocess
 def test_dump_matches_the_official_references(tiny_gguf, tmp_path):
     ref = np.load(REFS / "talker_custom_voice.npz")
     case = json.loads(str(ref["case_json"]))
     codes = tmp_path / "codes.npy"
     np.save(codes, ref["codes"])
     out = tmp_path / "dump.npz"
-    r = run_cli("dump", "--model", str(tiny_gguf("custom_voice")[0]), "--text", case["text"],
-                "--voice", case["voice"], "--language", case["language"], "--codes", str(codes),
-                "--chunk", "5", "--out", str(out))
+    r = run_cli(
+        "dump",
+        "--model",
+        str(tiny_gguf("custom_voice")[0]),
+        "--text",
+        case["text"],
+        "--voice",
+        case["voice"],
+        "--language",
+        case["language"],
+        "--codes",
+        str(codes),
+        "--chunk",
+        "5",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr.decode()
     d = np.load(out)
-    assert sorted(d.files) == sorted(["prefill", "trailing", "talker_logits", "talker_hidden",
-                                      "cp_logits", "audio", "audio_streamed"])
+    assert sorted(d.files) == sorted(
+        ["prefill", "trailing", "talker_logits", "talker_hidden", "cp_logits", "audio", "audio_streamed"]
+    )
     assert np.abs(d["prefill"] - ref["prefill"]).max() < 1e-5
     assert np.abs(d["talker_logits"] - ref["talker_logits"]).max() < 1e-3
     assert np.abs(d["cp_logits"] - ref["cp_logits"]).max() < 1e-3
@@ -101,6 +125,7 @@ def test_dump_matches_the_official_references(tiny_gguf, tmp_path):
     assert np.abs(d["audio"] - d["audio_streamed"]).max() <= 1e-5
 
 
+@pytest.mark.subprocess
 def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     r = run_cli("bench", "--model", str(tiny_gguf("custom_voice")[0]), "--frames", "6", "--json")
     assert r.returncode == 0, r.stderr.decode()
@@ -112,20 +137,35 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     assert result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"], rel=0.01)
 
 
+@pytest.mark.subprocess
 def test_pipeline_bench_repeats_and_reports_medians(tiny_gguf, tmp_path):
     trace = tmp_path / "trace.json"
-    r = run_cli("bench", "--model", str(tiny_gguf("custom_voice")[0]), "--frames", "5", "--json",
-                "--pipeline", "--repeat", "3", "--trace", str(trace))
+    r = run_cli(
+        "bench",
+        "--model",
+        str(tiny_gguf("custom_voice")[0]),
+        "--frames",
+        "5",
+        "--json",
+        "--pipeline",
+        "--repeat",
+        "3",
+        "--trace",
+        str(trace),
+    )
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout.decode().strip().splitlines()[-1])
     assert result["frames"] == 5 and "medians of 3 runs" in r.stderr.decode()
     traces = json.loads(trace.read_text())
     assert len(traces) == 3
-    assert all([f for f, *_ in t["generator"]] == [f for f, *_ in t["decoder"]] == list(range(5))
-               for t in traces)
+    assert all(
+        [f for f, *_ in t["generator"]] == [f for f, *_ in t["decoder"]] == list(range(5)) for t in traces
+    )
 
 
 def test_median_takes_each_figure_s_median_and_the_largest_peak():
-    runs = [{"ttfa_s": t, "ms_per_frame": {"talker": m}, "peak_rss_mb": p}
-            for t, m, p in [(0.5, 10.0, 3.0), (0.9, 30.0, 1.0), (0.4, 20.0, 2.0)]]
+    runs = [
+        {"ttfa_s": t, "ms_per_frame": {"talker": m}, "peak_rss_mb": p}
+        for t, m, p in [(0.5, 10.0, 3.0), (0.9, 30.0, 1.0), (0.4, 20.0, 2.0)]
+    ]
     assert median(runs) == {"ttfa_s": 0.5, "ms_per_frame": {"talker": 20.0}, "peak_rss_mb": 3.0}

@@ -17,8 +17,13 @@ REFS = Path(__file__).parent / "data" / "refs"
 
 def _case_prompt(model: kazeia_stream.Model, ref) -> kazeia_stream.model.prompt.Prompt:
     case = json.loads(str(ref["case_json"]))
-    return model.prompt(case["text"], voice=case["voice"], language=case["language"],
-                        instruct=case["instruct"], text_streaming=not case["non_streaming"])
+    return model.prompt(
+        case["text"],
+        voice=case["voice"],
+        language=case["language"],
+        instruct=case["instruct"],
+        text_streaming=not case["non_streaming"],
+    )
 
 
 @pytest.mark.parametrize("kind", ["custom_voice", "voice_design"])
@@ -27,21 +32,22 @@ def test_teacher_forced_talker_matches_the_official_logits(kind, tiny_runtime):
     runtime = tiny_runtime(kind)
     prompt = _case_prompt(runtime.model, ref)
     assert np.abs(prompt.prefill - ref["prefill"]).max() < 1e-5
-    logits, hidden = teacher_forced_talker(runtime.talker, runtime.code_predictor, prompt,
-                                           runtime.model.text_feed(prompt), ref["codes"])
+    logits, hidden = teacher_forced_talker(
+        runtime.talker, runtime.code_predictor, prompt, runtime.model.text_feed(prompt), ref["codes"]
+    )
     assert np.abs(logits - ref["talker_logits"]).max() <= 1e-3
     assert np.abs(hidden - ref["talker_hidden"]).max() <= 1e-3
     assert (logits.argmax(-1) == ref["talker_logits"].argmax(-1)).mean() >= 0.99
 
 
-def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_runtime,
-                                                                                 monkeypatch):
+def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_runtime, monkeypatch):
     runtime = tiny_runtime("custom_voice")
     model, talker = runtime.model, runtime.talker
     rows_run = []
     forward = talker.lm.forward
-    monkeypatch.setattr(talker.lm, "forward",
-                        lambda embeds, *a: rows_run.append(len(embeds)) or forward(embeds, *a))
+    monkeypatch.setattr(
+        talker.lm, "forward", lambda embeds, *a: rows_run.append(len(embeds)) or forward(embeds, *a)
+    )
     hello, other = (model.prompt(t, voice="ryan") for t in ("Hello there.", "Something else."))
     eric = model.prompt("Hello there.", voice="eric")
 

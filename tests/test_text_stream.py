@@ -27,7 +27,7 @@ def test_pieces_give_the_tokens_of_the_whole_text(model, text, piece):
     stream = model.incremental_tokenizer()
     released, early = [], 0
     for i in range(0, len(text), piece):
-        released += stream.feed(text[i:i + piece])
+        released += stream.feed(text[i : i + piece])
         if i + piece < len(text):
             early = len(released)
     released += stream.finish()

@@ -85,7 +85,7 @@ def _run(ctx: mtmd_cpp.mtmd_context_p, n_embd: int) -> bool:
     out = mtmd_cpp.mtmd_gen_out()
     if mtmd_cpp.mtmd_gen_audio_process(ctx, ctypes.byref(inp), ctypes.byref(out)) != 0:
         return False
-    codes = (ctypes.c_int32 * out.n_codes)(*out.codes[:out.n_codes])
+    codes = (ctypes.c_int32 * out.n_codes)(*out.codes[: out.n_codes])
     print(f"GEN_CODE: codes {list(codes)}")
 
     inp = mtmd_cpp.mtmd_gen_inp_default(ctx)
@@ -96,7 +96,7 @@ def _run(ctx: mtmd_cpp.mtmd_context_p, n_embd: int) -> bool:
     out = mtmd_cpp.mtmd_gen_out()
     if mtmd_cpp.mtmd_gen_audio_process(ctx, ctypes.byref(inp), ctypes.byref(out)) != 0:
         return False
-    audio = out.audio[:out.n_samples]
+    audio = out.audio[: out.n_samples]
     rms = (sum(x * x for x in audio) / max(len(audio), 1)) ** 0.5
     print(f"GEN_WAV: {out.n_samples} samples, rms {rms:.4f}")
     return True

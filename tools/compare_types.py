@@ -25,8 +25,9 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then it rests in the wa
 def greedy_codes(runtime: kazeia_stream.Runtime, text: str, frames: int) -> tuple[np.ndarray, np.ndarray]:
     model = runtime.model
     prompt = model.prompt(text, voice=model.default_voice, text_streaming=True)
-    opts = GenerationOptions(seed=0, do_sample=False, subtalker_do_sample=False,
-                             max_frames=frames, ignore_eos=True)
+    opts = GenerationOptions(
+        seed=0, do_sample=False, subtalker_do_sample=False, max_frames=frames, ignore_eos=True
+    )
     state = runtime.frames.start(prompt, model.text_feed(prompt), opts, np.random.default_rng(0))
     codes = []
     while (frame := runtime.frames.next_frame(state)) is not None:
@@ -34,13 +35,15 @@ def greedy_codes(runtime: kazeia_stream.Runtime, text: str, frames: int) -> tupl
     return np.stack(codes), runtime.codec.decode(np.stack(codes))
 
 
-def teacher_forced(runtime: kazeia_stream.Runtime, text: str,
-                   codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def teacher_forced(
+    runtime: kazeia_stream.Runtime, text: str, codes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Talker logits [N, vocab] and code predictor logits [N, 15, vocab] along `codes`."""
     model = runtime.model
     prompt = model.prompt(text, voice=model.default_voice)
-    logits, hidden = teacher_forced_talker(runtime.talker, runtime.code_predictor, prompt,
-                                           model.text_feed(prompt), codes)
+    logits, hidden = teacher_forced_talker(
+        runtime.talker, runtime.code_predictor, prompt, model.text_feed(prompt), codes
+    )
     cp = np.stack([runtime.code_predictor.teacher_forced_logits(h, c) for h, c in zip(hidden, codes)])
     return logits, cp
 
@@ -52,23 +55,30 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--text", default=TEXT)
     args = ap.parse_args()
-    ref, other = (kazeia_stream.Runtime(kazeia_stream.load_model(path))
-                  for path in (args.reference, args.other))
+    ref, other = (
+        kazeia_stream.Runtime(kazeia_stream.load_model(path)) for path in (args.reference, args.other)
+    )
 
     codes, audio = greedy_codes(ref, args.text, args.frames)
     lr, cp_r = teacher_forced(ref, args.text, codes)
     lo, cp_o = teacher_forced(other, args.text, codes)
-    print(f"teacher-forced talker: argmax agreement {np.mean(lr.argmax(-1) == lo.argmax(-1)):.3f}, "
-          f"max |logit diff| {np.abs(lr - lo).max():.4f}")
-    print(f"teacher-forced code predictor: argmax agreement {np.mean(cp_r.argmax(-1) == cp_o.argmax(-1)):.3f}, "
-          f"max |logit diff| {np.abs(cp_r - cp_o).max():.4f}")
+    print(
+        f"teacher-forced talker: argmax agreement {np.mean(lr.argmax(-1) == lo.argmax(-1)):.3f}, "
+        f"max |logit diff| {np.abs(lr - lo).max():.4f}"
+    )
+    print(
+        f"teacher-forced code predictor: argmax agreement {np.mean(cp_r.argmax(-1) == cp_o.argmax(-1)):.3f}, "
+        f"max |logit diff| {np.abs(cp_r - cp_o).max():.4f}"
+    )
 
     codes_o, audio_o = greedy_codes(other, args.text, args.frames)
     same = codes == codes_o
     diverge = int(np.argmin(same.all(axis=1))) if not same.all() else args.frames
-    snr = 10 * np.log10(np.sum(audio ** 2) / max(np.sum((audio - audio_o) ** 2), 1e-30))
-    print(f"free-running greedy: codes equal {same.mean():.3f} (codebook 0: {same[:, 0].mean():.3f}), "
-          f"first differing frame {diverge} of {args.frames}; audio SNR {snr:.1f} dB")
+    snr = 10 * np.log10(np.sum(audio**2) / max(np.sum((audio - audio_o) ** 2), 1e-30))
+    print(
+        f"free-running greedy: codes equal {same.mean():.3f} (codebook 0: {same[:, 0].mean():.3f}), "
+        f"first differing frame {diverge} of {args.frames}; audio SNR {snr:.1f} dB"
+    )
 
 
 if __name__ == "__main__":

@@ -40,9 +40,9 @@ import shutil
 import struct
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -64,89 +64,246 @@ CODEC_OUTPUT_GAIN = 0.08
 
 # Talker / code predictor widths. "mrope" sections must sum to head_dim / 2.
 TALKER = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=128, text_hidden_size=16, mrope_section=[4, 2, 2]),
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072, text_hidden_size=2048, mrope_section=[24, 20, 20]),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=6144, text_hidden_size=2048, mrope_section=[24, 20, 20]),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        text_hidden_size=16,
+        mrope_section=[4, 2, 2],
+    ),
+    "0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        text_hidden_size=2048,
+        mrope_section=[24, 20, 20],
+    ),
+    "1.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        text_hidden_size=2048,
+        mrope_section=[24, 20, 20],
+    ),
 }
 # The tiny voice_design talker is wider than its code predictor, to exercise small_to_mtp_projection.
 TINY_VOICE_DESIGN_TALKER_HIDDEN = 96
 
 CODE_PREDICTOR = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=128),
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    ),
+    "0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=5,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+    ),
 }
 CODE_PREDICTOR["1.7b"] = CODE_PREDICTOR["0.6b"]
 
 # ECAPA-TDNN speaker encoder (Base only); enc_dim is always the talker hidden size.
 # The real configs write only enc_dim and sample_rate and rely on the code defaults below.
-SPEAKER_ENCODER_DEFAULTS = dict(mel_dim=128, enc_channels=[512, 512, 512, 512, 1536],
-                                enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
-                                enc_attention_channels=128, enc_res2net_scale=8, enc_se_channels=128,
-                                sample_rate=24000)
-TINY_SPEAKER_ENCODER = dict(SPEAKER_ENCODER_DEFAULTS, enc_channels=[32, 32, 32, 32, 96],
-                            enc_attention_channels=16, enc_se_channels=16)
+SPEAKER_ENCODER_DEFAULTS = dict(
+    mel_dim=128,
+    enc_channels=[512, 512, 512, 512, 1536],
+    enc_kernel_sizes=[5, 3, 3, 3, 1],
+    enc_dilations=[1, 2, 3, 4, 1],
+    enc_attention_channels=128,
+    enc_res2net_scale=8,
+    enc_se_channels=128,
+    sample_rate=24000,
+)
+TINY_SPEAKER_ENCODER = dict(
+    SPEAKER_ENCODER_DEFAULTS, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16
+)
 
 CODEC_DECODER = {
-    "real": dict(codebook_dim=512, latent_dim=1024, hidden_size=512, head_dim=64, num_attention_heads=16,
-                 num_key_value_heads=16, intermediate_size=1024, num_hidden_layers=8, decoder_dim=1536),
-    "tiny": dict(codebook_dim=32, latent_dim=64, hidden_size=32, head_dim=8, num_attention_heads=4,
-                 num_key_value_heads=4, intermediate_size=64, num_hidden_layers=2, decoder_dim=64),
+    "real": dict(
+        codebook_dim=512,
+        latent_dim=1024,
+        hidden_size=512,
+        head_dim=64,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        decoder_dim=1536,
+    ),
+    "tiny": dict(
+        codebook_dim=32,
+        latent_dim=64,
+        hidden_size=32,
+        head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        decoder_dim=64,
+    ),
 }
 
 # Mimi encoder (only used by Base models for ICL reference codes, but present in every
 # speech_tokenizer/model.safetensors). The tiny one keeps the strides, so 1920 samples per frame.
 CODEC_ENCODER = {
-    "real": dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8,
-                 head_dim=64, num_hidden_layers=8, num_filters=64, codebook_dim=256,
-                 vector_quantization_hidden_dimension=256, upsample_groups=512),
-    "tiny": dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
-                 head_dim=8, num_hidden_layers=1, num_filters=4, codebook_dim=8,
-                 vector_quantization_hidden_dimension=8, upsample_groups=16),
+    "real": dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_hidden_layers=8,
+        num_filters=64,
+        codebook_dim=256,
+        vector_quantization_hidden_dimension=256,
+        upsample_groups=512,
+    ),
+    "tiny": dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        num_filters=4,
+        codebook_dim=8,
+        vector_quantization_hidden_dimension=8,
+        upsample_groups=16,
+    ),
 }
 
 # ---------------------------------------------------------------------------------------------
 # Configs (values of the published 0.6B-CustomVoice repository unless a preset changes them)
 # ---------------------------------------------------------------------------------------------
 
-SPEAKERS = {"serena": 3066, "vivian": 3065, "uncle_fu": 3010, "ryan": 3061, "aiden": 2861,
-            "ono_anna": 2873, "sohee": 2864, "eric": 2875, "dylan": 2878}
+SPEAKERS = {
+    "serena": 3066,
+    "vivian": 3065,
+    "uncle_fu": 3010,
+    "ryan": 3061,
+    "aiden": 2861,
+    "ono_anna": 2873,
+    "sohee": 2864,
+    "eric": 2875,
+    "dylan": 2878,
+}
 DIALECTS = {"eric": "sichuan_dialect", "dylan": "beijing_dialect"}
-LANGUAGES = {"chinese": 2055, "english": 2050, "german": 2053, "italian": 2070, "portuguese": 2071,
-             "spanish": 2054, "japanese": 2058, "korean": 2064, "french": 2061, "russian": 2069}
+LANGUAGES = {
+    "chinese": 2055,
+    "english": 2050,
+    "german": 2053,
+    "italian": 2070,
+    "portuguese": 2071,
+    "spanish": 2054,
+    "japanese": 2058,
+    "korean": 2064,
+    "french": 2061,
+    "russian": 2069,
+}
 DIALECT_LANGUAGES = {"beijing_dialect": 2074, "sichuan_dialect": 2062}
 
-GENERATION_CONFIG = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0,
-                     "top_k": 50, "subtalker_dosample": True, "subtalker_temperature": 0.9,
-                     "subtalker_top_p": 1.0, "subtalker_top_k": 50, "max_new_tokens": 8192}
-PREPROCESSOR_CONFIG = {"padding_side": "left", "padding_value": 0.0,
-                       "processor_class": "Qwen3TTSProcessor", "return_attention_mask": True}
-SPEECH_PREPROCESSOR_CONFIG = {"chunk_length_s": None, "feature_extractor_type": "EncodecFeatureExtractor",
-                              "feature_size": 1, "overlap": None, "padding_side": "right",
-                              "padding_value": 0.0, "return_attention_mask": True, "sampling_rate": 24000}
+GENERATION_CONFIG = {
+    "do_sample": True,
+    "repetition_penalty": 1.05,
+    "temperature": 0.9,
+    "top_p": 1.0,
+    "top_k": 50,
+    "subtalker_dosample": True,
+    "subtalker_temperature": 0.9,
+    "subtalker_top_p": 1.0,
+    "subtalker_top_k": 50,
+    "max_new_tokens": 8192,
+}
+PREPROCESSOR_CONFIG = {
+    "padding_side": "left",
+    "padding_value": 0.0,
+    "processor_class": "Qwen3TTSProcessor",
+    "return_attention_mask": True,
+}
+SPEECH_PREPROCESSOR_CONFIG = {
+    "chunk_length_s": None,
+    "feature_extractor_type": "EncodecFeatureExtractor",
+    "feature_size": 1,
+    "overlap": None,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+    "sampling_rate": 24000,
+}
 
 # PretrainedConfig boilerplate that the published code_predictor_config carries verbatim. Some of
 # it (do_sample, top_k, temperature, repetition_penalty) seeds the predictor's generation config.
 CODE_PREDICTOR_BOILERPLATE = {
-    "_name_or_path": "", "add_cross_attention": False, "architectures": None, "bad_words_ids": None,
-    "begin_suppress_tokens": None, "bos_token_id": None, "chunk_size_feed_forward": 0,
-    "cross_attention_hidden_size": None, "decoder_start_token_id": None, "diversity_penalty": 0.0,
-    "do_sample": False, "early_stopping": False, "encoder_no_repeat_ngram_size": 0, "eos_token_id": None,
-    "exponential_decay_length_penalty": None, "finetuning_task": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "is_decoder": False,
-    "is_encoder_decoder": False, "label2id": {"LABEL_0": 0, "LABEL_1": 1}, "length_penalty": 1.0,
-    "max_length": 20, "min_length": 0, "no_repeat_ngram_size": 0, "num_beam_groups": 1, "num_beams": 1,
-    "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False,
-    "output_scores": False, "pad_token_id": None, "prefix": None, "problem_type": None, "pruned_heads": {},
-    "remove_invalid_values": False, "repetition_penalty": 1.0, "return_dict": True,
-    "return_dict_in_generate": False, "sep_token_id": None, "suppress_tokens": None,
-    "task_specific_params": None, "temperature": 1.0, "tf_legacy_loss": False,
-    "tie_encoder_decoder": False, "tie_word_embeddings": False, "tokenizer_class": None, "top_k": 50,
-    "top_p": 1.0, "dtype": None, "torchscript": False, "typical_p": 1.0, "use_bfloat16": False,
+    "_name_or_path": "",
+    "add_cross_attention": False,
+    "architectures": None,
+    "bad_words_ids": None,
+    "begin_suppress_tokens": None,
+    "bos_token_id": None,
+    "chunk_size_feed_forward": 0,
+    "cross_attention_hidden_size": None,
+    "decoder_start_token_id": None,
+    "diversity_penalty": 0.0,
+    "do_sample": False,
+    "early_stopping": False,
+    "encoder_no_repeat_ngram_size": 0,
+    "eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "finetuning_task": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "is_decoder": False,
+    "is_encoder_decoder": False,
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "length_penalty": 1.0,
+    "max_length": 20,
+    "min_length": 0,
+    "no_repeat_ngram_size": 0,
+    "num_beam_groups": 1,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "output_scores": False,
+    "pad_token_id": None,
+    "prefix": None,
+    "problem_type": None,
+    "pruned_heads": {},
+    "remove_invalid_values": False,
+    "repetition_penalty": 1.0,
+    "return_dict": True,
+    "return_dict_in_generate": False,
+    "sep_token_id": None,
+    "suppress_tokens": None,
+    "task_specific_params": None,
+    "temperature": 1.0,
+    "tf_legacy_loss": False,
+    "tie_encoder_decoder": False,
+    "tie_word_embeddings": False,
+    "tokenizer_class": None,
+    "top_k": 50,
+    "top_p": 1.0,
+    "dtype": None,
+    "torchscript": False,
+    "typical_p": 1.0,
+    "use_bfloat16": False,
 }
 
 
@@ -170,8 +327,13 @@ def resolve_dims(preset: str, kind: str) -> Dims:
         base = TINY_SPEAKER_ENCODER if preset == "tiny" else SPEAKER_ENCODER_DEFAULTS
         speaker_encoder = dict(base, enc_dim=talker["hidden_size"])
     size = "tiny" if preset == "tiny" else "real"
-    return Dims(talker, dict(CODE_PREDICTOR[preset]), speaker_encoder,
-                dict(CODEC_DECODER[size]), dict(CODEC_ENCODER[size]))
+    return Dims(
+        talker,
+        dict(CODE_PREDICTOR[preset]),
+        speaker_encoder,
+        dict(CODEC_DECODER[size]),
+        dict(CODEC_ENCODER[size]),
+    )
 
 
 def model_size_tag(preset: str, kind: str) -> str:
@@ -187,46 +349,89 @@ def make_config(preset: str, kind: str, dims: Dims) -> dict:
         languages.update(DIALECT_LANGUAGES)
     code_predictor_config = dict(
         CODE_PREDICTOR_BOILERPLATE,
-        attention_bias=False, attention_dropout=0, head_dim=cp["head_dim"], hidden_act="silu",
-        hidden_size=cp["hidden_size"], initializer_range=0.02, intermediate_size=cp["intermediate_size"],
-        layer_types=["full_attention"] * cp["num_hidden_layers"], max_position_embeddings=65536,
-        max_window_layers=28, model_type="qwen3_tts_talker_code_predictor",
-        num_attention_heads=cp["num_attention_heads"], num_code_groups=NUM_CODE_GROUPS,
-        num_hidden_layers=cp["num_hidden_layers"], num_key_value_heads=cp["num_key_value_heads"],
-        rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000, sliding_window=None, use_cache=True,
-        use_sliding_window=False, vocab_size=CODEBOOK_SIZE,
+        attention_bias=False,
+        attention_dropout=0,
+        head_dim=cp["head_dim"],
+        hidden_act="silu",
+        hidden_size=cp["hidden_size"],
+        initializer_range=0.02,
+        intermediate_size=cp["intermediate_size"],
+        layer_types=["full_attention"] * cp["num_hidden_layers"],
+        max_position_embeddings=65536,
+        max_window_layers=28,
+        model_type="qwen3_tts_talker_code_predictor",
+        num_attention_heads=cp["num_attention_heads"],
+        num_code_groups=NUM_CODE_GROUPS,
+        num_hidden_layers=cp["num_hidden_layers"],
+        num_key_value_heads=cp["num_key_value_heads"],
+        rms_norm_eps=1e-06,
+        rope_scaling=None,
+        rope_theta=1000000,
+        sliding_window=None,
+        use_cache=True,
+        use_sliding_window=False,
+        vocab_size=CODEBOOK_SIZE,
     )
     talker_config = {
-        "attention_bias": False, "attention_dropout": 0, "code_predictor_config": code_predictor_config,
-        "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_think_id": 2154,
-        "codec_language_id": languages, "codec_nothink_id": 2155, "codec_pad_id": 2148,
-        "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+        "attention_bias": False,
+        "attention_dropout": 0,
+        "code_predictor_config": code_predictor_config,
+        "codec_bos_id": 2149,
+        "codec_eos_token_id": 2150,
+        "codec_think_id": 2154,
+        "codec_language_id": languages,
+        "codec_nothink_id": 2155,
+        "codec_pad_id": 2148,
+        "codec_think_bos_id": 2156,
+        "codec_think_eos_id": 2157,
         "spk_id": dict(SPEAKERS) if kind == "custom_voice" else {},
         "spk_is_dialect": {s: DIALECTS.get(s, False) for s in SPEAKERS} if kind == "custom_voice" else {},
-        "head_dim": t["head_dim"], "hidden_act": "silu", "hidden_size": t["hidden_size"],
-        "initializer_range": 0.02, "intermediate_size": t["intermediate_size"],
-        "max_position_embeddings": 32768, "model_type": "qwen3_tts_talker",
-        "num_attention_heads": t["num_attention_heads"], "num_code_groups": NUM_CODE_GROUPS,
-        "num_hidden_layers": t["num_hidden_layers"], "num_key_value_heads": t["num_key_value_heads"],
-        "position_id_per_seconds": 13, "rms_norm_eps": 1e-06,
-        "rope_scaling": {"interleaved": True, "mrope_section": list(t["mrope_section"]),
-                         "rope_type": "default", "type": "default"},
-        "rope_theta": 1000000, "sliding_window": None, "text_hidden_size": t["text_hidden_size"],
-        "text_vocab_size": TEXT_VOCAB, "use_cache": True, "use_sliding_window": False,
+        "head_dim": t["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": t["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": t["intermediate_size"],
+        "max_position_embeddings": 32768,
+        "model_type": "qwen3_tts_talker",
+        "num_attention_heads": t["num_attention_heads"],
+        "num_code_groups": NUM_CODE_GROUPS,
+        "num_hidden_layers": t["num_hidden_layers"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "position_id_per_seconds": 13,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "interleaved": True,
+            "mrope_section": list(t["mrope_section"]),
+            "rope_type": "default",
+            "type": "default",
+        },
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "text_hidden_size": t["text_hidden_size"],
+        "text_vocab_size": TEXT_VOCAB,
+        "use_cache": True,
+        "use_sliding_window": False,
         "vocab_size": CODEC_VOCAB,
     }
     config = {
-        "architectures": ["Qwen3TTSForConditionalGeneration"], "assistant_token_id": 77091,
-        "im_end_token_id": 151645, "im_start_token_id": 151644, "tts_bos_token_id": 151672,
-        "tts_eos_token_id": 151673, "tts_pad_token_id": 151671, "model_type": "qwen3_tts",
-        "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_size": model_size_tag(preset, kind),
+        "architectures": ["Qwen3TTSForConditionalGeneration"],
+        "assistant_token_id": 77091,
+        "im_end_token_id": 151645,
+        "im_start_token_id": 151644,
+        "tts_bos_token_id": 151672,
+        "tts_eos_token_id": 151673,
+        "tts_pad_token_id": 151671,
+        "model_type": "qwen3_tts",
+        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_size": model_size_tag(preset, kind),
         "tts_model_type": kind,
     }
     if dims.speaker_encoder is not None:
         se = dims.speaker_encoder
         # Published Base configs carry only these two keys; tiny must also spell out its widths.
         config["speaker_encoder_config"] = (
-            {"enc_dim": se["enc_dim"], "sample_rate": se["sample_rate"]} if preset != "tiny" else dict(se))
+            {"enc_dim": se["enc_dim"], "sample_rate": se["sample_rate"]} if preset != "tiny" else dict(se)
+        )
     config["talker_config"] = talker_config
     # This exact version makes transformers 4.57.3 apply fix_mistral_regex when the official
     # loader asks for it, as with the published files.
@@ -237,39 +442,84 @@ def make_config(preset: str, kind: str, dims: Dims) -> dict:
 def make_speech_tokenizer_config(dims: Dims) -> dict:
     d, e = dims.decoder, dims.encoder
     decoder_config = {
-        "attention_bias": False, "attention_dropout": 0.0, "latent_dim": d["latent_dim"],
-        "codebook_dim": d["codebook_dim"], "codebook_size": CODEBOOK_SIZE, "decoder_dim": d["decoder_dim"],
-        "hidden_act": "silu", "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
-        "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "head_dim": d["head_dim"],
-        "num_attention_heads": d["num_attention_heads"], "num_hidden_layers": d["num_hidden_layers"],
-        "num_key_value_heads": d["num_key_value_heads"], "num_quantizers": NUM_CODE_GROUPS,
-        "num_semantic_quantizers": 1, "rms_norm_eps": 1e-05, "rope_theta": 10000,
-        "semantic_codebook_size": 4096, "sliding_window": 72, "upsample_rates": [8, 5, 4, 3],
-        "upsampling_ratios": [2, 2], "vector_quantization_hidden_dimension": d["codebook_dim"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "latent_dim": d["latent_dim"],
+        "codebook_dim": d["codebook_dim"],
+        "codebook_size": CODEBOOK_SIZE,
+        "decoder_dim": d["decoder_dim"],
+        "hidden_act": "silu",
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "layer_scale_initial_scale": 0.01,
+        "max_position_embeddings": 8000,
+        "head_dim": d["head_dim"],
+        "num_attention_heads": d["num_attention_heads"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_key_value_heads": d["num_key_value_heads"],
+        "num_quantizers": NUM_CODE_GROUPS,
+        "num_semantic_quantizers": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000,
+        "semantic_codebook_size": 4096,
+        "sliding_window": 72,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "vector_quantization_hidden_dimension": d["codebook_dim"],
     }
     encoder_config = {
-        "_frame_rate": 12.5, "attention_bias": False, "attention_dropout": 0.0, "audio_channels": 1,
-        "codebook_dim": e["codebook_dim"], "codebook_size": CODEBOOK_SIZE, "compress": 2,
-        "dilation_growth_rate": 2, "dtype": "float32", "head_dim": e["head_dim"], "hidden_act": "gelu",
-        "hidden_size": e["hidden_size"], "initializer_range": 0.02,
-        "intermediate_size": e["intermediate_size"], "kernel_size": 7, "last_kernel_size": 3,
-        "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "norm_eps": 1e-05,
-        "normalize": False, "num_attention_heads": e["num_attention_heads"],
-        "num_filters": e["num_filters"], "num_hidden_layers": e["num_hidden_layers"],
-        "num_key_value_heads": e["num_key_value_heads"], "num_quantizers": 32, "num_residual_layers": 1,
-        "num_semantic_quantizers": 1, "pad_mode": "constant", "residual_kernel_size": 3,
-        "rope_theta": 10000.0, "sampling_rate": 24000, "sliding_window": 250,
-        "transformers_version": "4.57.0.dev0", "trim_right_ratio": 1.0,
+        "_frame_rate": 12.5,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "audio_channels": 1,
+        "codebook_dim": e["codebook_dim"],
+        "codebook_size": CODEBOOK_SIZE,
+        "compress": 2,
+        "dilation_growth_rate": 2,
+        "dtype": "float32",
+        "head_dim": e["head_dim"],
+        "hidden_act": "gelu",
+        "hidden_size": e["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": e["intermediate_size"],
+        "kernel_size": 7,
+        "last_kernel_size": 3,
+        "layer_scale_initial_scale": 0.01,
+        "max_position_embeddings": 8000,
+        "norm_eps": 1e-05,
+        "normalize": False,
+        "num_attention_heads": e["num_attention_heads"],
+        "num_filters": e["num_filters"],
+        "num_hidden_layers": e["num_hidden_layers"],
+        "num_key_value_heads": e["num_key_value_heads"],
+        "num_quantizers": 32,
+        "num_residual_layers": 1,
+        "num_semantic_quantizers": 1,
+        "pad_mode": "constant",
+        "residual_kernel_size": 3,
+        "rope_theta": 10000.0,
+        "sampling_rate": 24000,
+        "sliding_window": 250,
+        "transformers_version": "4.57.0.dev0",
+        "trim_right_ratio": 1.0,
         "upsample_groups": e["upsample_groups"],
-        "upsampling_ratios": [8, 6, 5, 4], "use_cache": False, "use_causal_conv": True,
-        "use_conv_shortcut": False, "use_streaming": False,
+        "upsampling_ratios": [8, 6, 5, 4],
+        "use_cache": False,
+        "use_causal_conv": True,
+        "use_conv_shortcut": False,
+        "use_streaming": False,
         "vector_quantization_hidden_dimension": e["vector_quantization_hidden_dimension"],
     }
     return {
-        "architectures": ["Qwen3TTSTokenizerV2Model"], "model_type": "qwen3_tts_tokenizer_12hz",
-        "encoder_valid_num_quantizers": 16, "input_sample_rate": 24000, "output_sample_rate": 24000,
-        "decode_upsample_rate": 1920, "encode_downsample_rate": 1920,
-        "decoder_config": decoder_config, "encoder_config": encoder_config,
+        "architectures": ["Qwen3TTSTokenizerV2Model"],
+        "model_type": "qwen3_tts_tokenizer_12hz",
+        "encoder_valid_num_quantizers": 16,
+        "input_sample_rate": 24000,
+        "output_sample_rate": 24000,
+        "decode_upsample_rate": 1920,
+        "encode_downsample_rate": 1920,
+        "decoder_config": decoder_config,
+        "encoder_config": encoder_config,
         "transformers_version": "4.57.3",
     }
 
@@ -301,11 +551,13 @@ def codebook_usage(rng: np.random.Generator, size: int) -> np.ndarray:
 def codebook_part(part: str, std: float) -> Init:
     """cluster_usage in [0.5, 2] and embedding_sum = codebook * usage, from one generator, so the
     dequantised codebook (embedding_sum / usage) is N(0, std)."""
+
     def init(rng: np.random.Generator, shape: tuple) -> np.ndarray:
         usage = codebook_usage(rng, shape[0])
         if part == "usage":
             return usage
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)) * usage[:, None]
+
     return init
 
 
@@ -371,14 +623,28 @@ def model_specs(dims: Dims) -> Specs:
     s.linear("talker.codec_head", CODEC_VOCAB, h)
     s.add("talker.model.norm.weight", (h,), NORM)
     for i in range(t["num_hidden_layers"]):
-        qwen3_layer(s, f"talker.model.layers.{i}", h, t["num_attention_heads"], t["num_key_value_heads"],
-                    t["head_dim"], t["intermediate_size"])
+        qwen3_layer(
+            s,
+            f"talker.model.layers.{i}",
+            h,
+            t["num_attention_heads"],
+            t["num_key_value_heads"],
+            t["head_dim"],
+            t["intermediate_size"],
+        )
 
     hc = cp["hidden_size"]
     p = "talker.code_predictor"
     for i in range(cp["num_hidden_layers"]):
-        qwen3_layer(s, f"{p}.model.layers.{i}", hc, cp["num_attention_heads"], cp["num_key_value_heads"],
-                    cp["head_dim"], cp["intermediate_size"])
+        qwen3_layer(
+            s,
+            f"{p}.model.layers.{i}",
+            hc,
+            cp["num_attention_heads"],
+            cp["num_key_value_heads"],
+            cp["head_dim"],
+            cp["intermediate_size"],
+        )
     s.add(f"{p}.model.norm.weight", (hc,), NORM)
     for j in range(NUM_CODE_GROUPS - 1):
         # The predictor's input tables have the talker's width (they also feed the talker).
@@ -427,8 +693,13 @@ def decoder_specs(s: Specs, d: dict) -> None:
     for part, n in (("rvq_first", 1), ("rvq_rest", NUM_CODE_GROUPS - 1)):
         for i in range(n):
             # Codebooks summed over n layers stay at unit RMS.
-            s.codebook(f"{q}.{part}.vq.layers.{i}._codebook", "embedding_sum", CODEBOOK_SIZE, vq,
-                       std=1.0 / math.sqrt(n))
+            s.codebook(
+                f"{q}.{part}.vq.layers.{i}._codebook",
+                "embedding_sum",
+                CODEBOOK_SIZE,
+                vq,
+                std=1.0 / math.sqrt(n),
+            )
         s.conv(f"{q}.{part}.input_proj", vq, cd, 1, bias=False)
         s.conv(f"{q}.{part}.output_proj", cd, vq, 1, bias=False)
     s.conv("decoder.pre_conv.conv", latent, cd, 3)
@@ -465,7 +736,7 @@ def decoder_specs(s: Specs, d: dict) -> None:
     s.conv("decoder.decoder.0.conv", dd, latent, 7)
     for i, rate in enumerate((8, 5, 4, 3), start=1):
         b = f"decoder.decoder.{i}.block"
-        n_in, n_out = dd // 2 ** (i - 1), dd // 2 ** i
+        n_in, n_out = dd // 2 ** (i - 1), dd // 2**i
         s.add(f"{b}.0.alpha", (n_in,), SNAKE)
         s.add(f"{b}.0.beta", (n_in,), SNAKE)
         s.conv_transpose(f"{b}.1.conv", n_in, n_out, 2 * rate, rate)
@@ -529,6 +800,7 @@ def encoder_specs(s: Specs, e: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
+
 
 def tensor_rng(seed: int, key: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(key.encode())])

@@ -59,10 +59,9 @@ def _stub_modules() -> None:
 _stub_modules()
 
 import torch  # noqa: E402
+from qwen_tts import Qwen3TTSModel  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList  # noqa: E402
-
-from qwen_tts import Qwen3TTSModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_random_checkpoint as mrc  # noqa: E402
@@ -74,32 +73,89 @@ CODEC_EOS = 2150
 
 PROMPT_CASES = {
     "custom_voice": [
-        dict(name="ryan_english_streaming", text="Hello, world. This is a test.", voice="ryan",
-             language="english", instruct=None, non_streaming=False),
-        dict(name="ryan_english_non_streaming", text="Hello, world. This is a test.", voice="ryan",
-             language="english", instruct=None, non_streaming=True),
-        dict(name="vivian_auto_cjk", text="你好，世界！今天天气很好。", voice="vivian",
-             language="auto", instruct=None, non_streaming=False),
-        dict(name="eric_chinese_dialect", text="我叫通义千问，是阿里云的开源大模型。", voice="eric",
-             language="chinese", instruct=None, non_streaming=True),
-        dict(name="dylan_auto_dialect", text="Good morning, Beijing!", voice="dylan",
-             language="auto", instruct=None, non_streaming=False),
-        dict(name="aiden_long_text",
-             text="On 2024-03-15 at 3:45 p.m., Dr. Müller paid $1,234.56 for a café crème; "
-                  "naïve? Perhaps — but 99.9% of résumés say so!",
-             voice="aiden", language="english", instruct=None, non_streaming=True),
+        dict(
+            name="ryan_english_streaming",
+            text="Hello, world. This is a test.",
+            voice="ryan",
+            language="english",
+            instruct=None,
+            non_streaming=False,
+        ),
+        dict(
+            name="ryan_english_non_streaming",
+            text="Hello, world. This is a test.",
+            voice="ryan",
+            language="english",
+            instruct=None,
+            non_streaming=True,
+        ),
+        dict(
+            name="vivian_auto_cjk",
+            text="你好，世界！今天天气很好。",
+            voice="vivian",
+            language="auto",
+            instruct=None,
+            non_streaming=False,
+        ),
+        dict(
+            name="eric_chinese_dialect",
+            text="我叫通义千问，是阿里云的开源大模型。",
+            voice="eric",
+            language="chinese",
+            instruct=None,
+            non_streaming=True,
+        ),
+        dict(
+            name="dylan_auto_dialect",
+            text="Good morning, Beijing!",
+            voice="dylan",
+            language="auto",
+            instruct=None,
+            non_streaming=False,
+        ),
+        dict(
+            name="aiden_long_text",
+            text="On 2024-03-15 at 3:45 p.m., Dr. Müller paid $1,234.56 for a café crème; "
+            "naïve? Perhaps — but 99.9% of résumés say so!",
+            voice="aiden",
+            language="english",
+            instruct=None,
+            non_streaming=True,
+        ),
     ],
     "voice_design": [
-        dict(name="instruct_english_streaming", text="The quick brown fox jumps over the lazy dog.",
-             voice=None, language="english", instruct="A calm, deep male voice, speaking slowly.",
-             non_streaming=False),
-        dict(name="instruct_english_non_streaming", text="The quick brown fox jumps over the lazy dog.",
-             voice=None, language="english", instruct="A calm, deep male voice, speaking slowly.",
-             non_streaming=True),
-        dict(name="instruct_chinese_cjk", text="欢迎收听今天的新闻。", voice=None, language="chinese",
-             instruct="用温柔的女声，语速稍慢。", non_streaming=False),
-        dict(name="no_instruct_auto", text="No instruction at all.", voice=None, language="auto",
-             instruct=None, non_streaming=True),
+        dict(
+            name="instruct_english_streaming",
+            text="The quick brown fox jumps over the lazy dog.",
+            voice=None,
+            language="english",
+            instruct="A calm, deep male voice, speaking slowly.",
+            non_streaming=False,
+        ),
+        dict(
+            name="instruct_english_non_streaming",
+            text="The quick brown fox jumps over the lazy dog.",
+            voice=None,
+            language="english",
+            instruct="A calm, deep male voice, speaking slowly.",
+            non_streaming=True,
+        ),
+        dict(
+            name="instruct_chinese_cjk",
+            text="欢迎收听今天的新闻。",
+            voice=None,
+            language="chinese",
+            instruct="用温柔的女声，语速稍慢。",
+            non_streaming=False,
+        ),
+        dict(
+            name="no_instruct_auto",
+            text="No instruction at all.",
+            voice=None,
+            language="auto",
+            instruct=None,
+            non_streaming=True,
+        ),
     ],
 }
 # Teacher-forced talker references use this case of each kind (streaming: its trailing text is
@@ -141,13 +197,16 @@ TOKENIZER_SENTENCES = [
 ]
 
 # Qwen2's pre-tokenizer pattern (what llama.cpp's "qwen2" pre-tokenizer implements).
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
+
 
 class Checkpoint:
     def __init__(self, kind: str, root: Path) -> None:
@@ -156,27 +215,33 @@ class Checkpoint:
         mrc.make_checkpoint(PRESET, kind, self.seed, self.dir)
         self.sha256 = hashlib.sha256((self.dir / "model.safetensors").read_bytes()).hexdigest()
         self.speech_sha256 = hashlib.sha256(
-            (self.dir / "speech_tokenizer" / "model.safetensors").read_bytes()).hexdigest()
+            (self.dir / "speech_tokenizer" / "model.safetensors").read_bytes()
+        ).hexdigest()
         self.tts = Qwen3TTSModel.from_pretrained(str(self.dir), dtype=torch.float32)
         check_layout(self)
 
     def header(self) -> dict:
         """The identification every reference file carries."""
-        return {"checkpoint_json": np.array(json.dumps({"preset": PRESET, "kind": self.kind,
-                                                        "seed": self.seed})),
-                "weights_sha256": np.array(self.sha256)}
+        return {
+            "checkpoint_json": np.array(json.dumps({"preset": PRESET, "kind": self.kind, "seed": self.seed})),
+            "weights_sha256": np.array(self.sha256),
+        }
 
 
 def check_layout(ck: Checkpoint) -> None:
     """Every stored tensor must be a parameter/buffer of the official modules, none missing,
     with the same shape and (after BF16 -> F32) the same values."""
-    pairs = ((ck.tts.model, ck.dir / "model.safetensors"),
-             (ck.tts.model.speech_tokenizer.model, ck.dir / "speech_tokenizer" / "model.safetensors"))
+    pairs = (
+        (ck.tts.model, ck.dir / "model.safetensors"),
+        (ck.tts.model.speech_tokenizer.model, ck.dir / "speech_tokenizer" / "model.safetensors"),
+    )
     for module, path in pairs:
         expected, stored = module.state_dict(), load_file(str(path))
         if set(expected) != set(stored):
-            raise SystemExit(f"{path}: missing {sorted(set(expected) - set(stored))[:5]}, "
-                             f"unexpected {sorted(set(stored) - set(expected))[:5]}")
+            raise SystemExit(
+                f"{path}: missing {sorted(set(expected) - set(stored))[:5]}, "
+                f"unexpected {sorted(set(stored) - set(expected))[:5]}"
+            )
         for name, tensor in stored.items():
             if not torch.equal(tensor.float(), expected[name]):
                 raise SystemExit(f"{path}: {name} did not load unchanged")
@@ -196,16 +261,26 @@ def patched(obj, name: str, make_wrapper):
 def synthesize(tts: Qwen3TTSModel, case: dict) -> None:
     """Call the official public API the way a user would."""
     if tts.model.tts_model_type == "custom_voice":
-        tts.generate_custom_voice(text=case["text"], speaker=case["voice"], language=case["language"],
-                                  instruct=case["instruct"], non_streaming_mode=case["non_streaming"])
+        tts.generate_custom_voice(
+            text=case["text"],
+            speaker=case["voice"],
+            language=case["language"],
+            instruct=case["instruct"],
+            non_streaming_mode=case["non_streaming"],
+        )
     else:
-        tts.generate_voice_design(text=case["text"], instruct=case["instruct"] or "",
-                                  language=case["language"], non_streaming_mode=case["non_streaming"])
+        tts.generate_voice_design(
+            text=case["text"],
+            instruct=case["instruct"] or "",
+            language=case["language"],
+            non_streaming_mode=case["non_streaming"],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------
+
 
 class _Captured(Exception):
     pass
@@ -221,6 +296,7 @@ def capture_prompt(tts: Qwen3TTSModel, case: dict) -> dict[str, np.ndarray]:
             instruct = kwargs["instruct_ids"][0]
             seen["instruct_ids"] = instruct[0] if instruct is not None else torch.zeros(0, dtype=torch.long)
             return original(**kwargs)
+
         return generate
 
     def talker(original):
@@ -229,13 +305,15 @@ def capture_prompt(tts: Qwen3TTSModel, case: dict) -> dict[str, np.ndarray]:
             seen["prefill"] = kwargs["inputs_embeds"][0]
             seen["trailing"] = kwargs["trailing_text_hidden"][0]
             raise _Captured
+
         return generate
 
-    with patched(tts.model, "generate", outer), patched(tts.model.talker, "generate", talker):
-        try:
-            synthesize(tts, case)
-        except _Captured:
-            pass
+    with (
+        patched(tts.model, "generate", outer),
+        patched(tts.model.talker, "generate", talker),
+        contextlib.suppress(_Captured),
+    ):
+        synthesize(tts, case)
     return {
         "prefill": seen["prefill"].float().numpy(),
         "trailing": seen["trailing"].float().numpy(),
@@ -256,6 +334,7 @@ def prompt_refs(ck: Checkpoint) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 # Teacher-forced talker and code predictor
 # ---------------------------------------------------------------------------------------------
+
 
 class ForceTokens(LogitsProcessor):
     """Make generate pick tokens[step] whatever the logits say (step = tokens generated so far;
@@ -278,26 +357,37 @@ def teacher_forced(tts: Qwen3TTSModel, case: dict, codes: np.ndarray) -> dict[st
 
     def talker(original):
         def generate(**kwargs):
-            kwargs.update(do_sample=False, max_new_tokens=n + 1, output_logits=True,
-                          logits_processor=LogitsProcessorList([ForceTokens([*codes[:, 0], CODEC_EOS])]))
+            kwargs.update(
+                do_sample=False,
+                max_new_tokens=n + 1,
+                output_logits=True,
+                logits_processor=LogitsProcessorList([ForceTokens([*codes[:, 0], CODEC_EOS])]),
+            )
             record["talker"] = original(**kwargs)
             return record["talker"]
+
         return generate
 
     def predictor(original):
         def generate(**kwargs):
             frame = len(record["cp_logits"])
             record["cp_inputs"].append(kwargs["inputs_embeds"][0].clone())
-            kwargs.update(do_sample=False, output_logits=True,
-                          logits_processor=LogitsProcessorList([ForceTokens(codes[frame, 1:])]))
+            kwargs.update(
+                do_sample=False,
+                output_logits=True,
+                logits_processor=LogitsProcessorList([ForceTokens(codes[frame, 1:])]),
+            )
             result = original(**kwargs)
             record["cp_logits"].append(torch.cat(result.logits, dim=0))
             return result
+
         return generate
 
     talker_module = tts.model.talker
-    with patched(talker_module, "generate", talker), \
-            patched(talker_module.code_predictor, "generate", predictor):
+    with (
+        patched(talker_module, "generate", talker),
+        patched(talker_module.code_predictor, "generate", predictor),
+    ):
         synthesize(tts, case)
 
     result = record["talker"]
@@ -305,7 +395,7 @@ def teacher_forced(tts: Qwen3TTSModel, case: dict, codes: np.ndarray) -> dict[st
     # is the forced EOS and is dropped.
     talker_logits = torch.cat(result.logits[:n], dim=0)
     talker_hidden = torch.stack([step[0][-1][0, -1] for step in result.hidden_states[:n]])
-    fed = torch.stack([step[1][0] for step in result.hidden_states[1:n + 1]])
+    fed = torch.stack([step[1][0] for step in result.hidden_states[1 : n + 1]])
     assert np.array_equal(fed.numpy(), codes), "the decode loop did not run on the forced codes"
     assert len(record["cp_logits"]) == n
     for t, inputs in enumerate(record["cp_inputs"]):  # predictor input 0 is the talker hidden
@@ -322,14 +412,20 @@ def talker_refs(ck: Checkpoint, rng: np.random.Generator) -> dict[str, np.ndarra
     codes = rng.integers(0, mrc.CODEBOOK_SIZE, (TALKER_FRAMES, mrc.NUM_CODE_GROUPS)).astype(np.int64)
     prompt = capture_prompt(ck.tts, case)
     assert len(prompt["trailing"]) < TALKER_FRAMES
-    return dict(ck.header(), case_json=np.array(json.dumps(case, ensure_ascii=False)), codes=codes,
-                prefill=prompt["prefill"], trailing=prompt["trailing"],
-                **teacher_forced(ck.tts, case, codes))
+    return dict(
+        ck.header(),
+        case_json=np.array(json.dumps(case, ensure_ascii=False)),
+        codes=codes,
+        prefill=prompt["prefill"],
+        trailing=prompt["trailing"],
+        **teacher_forced(ck.tts, case, codes),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Converter and codec
 # ---------------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def convert_refs(ck: Checkpoint, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -339,8 +435,9 @@ def convert_refs(ck: Checkpoint, rng: np.random.Generator) -> dict[str, np.ndarr
     cfg = ck.tts.model.config.talker_config
     special_text = [151643, 151644, 151645, 151671, 151672, 151673, 77091, 198, 872, 0, 151935]
     text_ids = np.array(special_text + list(rng.integers(0, mrc.TEXT_VOCAB, 9)), dtype=np.int64)
-    codec_special = sorted({0, 1, 2047, 2048, 3071, *range(2148, 2158), *cfg.codec_language_id.values(),
-                            *cfg.spk_id.values()})
+    codec_special = sorted(
+        {0, 1, 2047, 2048, 3071, *range(2148, 2158), *cfg.codec_language_id.values(), *cfg.spk_id.values()}
+    )
     codec_ids = np.array(codec_special + list(rng.integers(0, mrc.CODEC_VOCAB, 4)), dtype=np.int64)
     cp_ids = np.array([0, 1, 2047, *rng.integers(0, mrc.CODEBOOK_SIZE, 3)], dtype=np.int64)
     cp_head_in = rng.standard_normal((4, cp.config.hidden_size)).astype(np.float32)
@@ -380,24 +477,33 @@ def codec_refs(ck: Checkpoint, rng: np.random.Generator) -> dict[str, np.ndarray
     window and gives the same samples as this single forward."""
     codes = rng.integers(0, mrc.CODEBOOK_SIZE, (80, mrc.NUM_CODE_GROUPS)).astype(np.int64)
     audio = ck.tts.model.speech_tokenizer.model.decoder(torch.from_numpy(codes).T[None])
-    return dict(ck.header(), speech_tokenizer_sha256=np.array(ck.speech_sha256), codes=codes,
-                audio=audio.flatten().numpy())
+    return dict(
+        ck.header(),
+        speech_tokenizer_sha256=np.array(ck.speech_sha256),
+        codes=codes,
+        audio=audio.flatten().numpy(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
+
 def plain_qwen2_tokenizer(checkpoint_dir: Path):
     """Qwen2 byte-level BPE with the Qwen2 pre-tokenizer, built with the tokenizers library."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.BPE.from_file(str(checkpoint_dir / "vocab.json"), str(checkpoint_dir / "merges.txt")))
+    tok = Tokenizer(
+        models.BPE.from_file(str(checkpoint_dir / "vocab.json"), str(checkpoint_dir / "merges.txt"))
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     added = json.loads((checkpoint_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     for token_id, spec in sorted(added.items(), key=lambda kv: int(kv[0])):
@@ -427,6 +533,7 @@ def tokenizer_refs(ck: Checkpoint) -> tuple[dict[str, np.ndarray], list[int]]:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def save(out_dir: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
     path = out_dir / name
     np.savez_compressed(path, **arrays)
@@ -443,8 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="qwen3tts-refs-") as tmp:
         for kind in ("custom_voice", "voice_design", "base"):
             ck = Checkpoint(kind, Path(tmp))
-            print(f"{kind}: seed {ck.seed}, layout checked against the official modules "
-                  f"({time.perf_counter() - start:.1f} s)")
+            print(
+                f"{kind}: seed {ck.seed}, layout checked against the official modules "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
             rng = np.random.default_rng(1000 + ck.seed)
             if kind == "base":
                 save(args.out, f"convert_{kind}.npz", convert_refs(ck, rng))
@@ -456,8 +565,10 @@ def main(argv: list[str] | None = None) -> int:
                 save(args.out, f"codec_{kind}.npz", codec_refs(ck, rng))
                 arrays, differ = tokenizer_refs(ck)
                 save(args.out, "tokenizer.npz", arrays)
-                print("  official (fix_mistral_regex) and plain Qwen2 ids differ for: "
-                      + "; ".join(repr(TOKENIZER_SENTENCES[i]) for i in differ))
+                print(
+                    "  official (fix_mistral_regex) and plain Qwen2 ids differ for: "
+                    + "; ".join(repr(TOKENIZER_SENTENCES[i]) for i in differ)
+                )
     total = sum(p.stat().st_size for p in args.out.glob("*.npz"))
     print(f"done in {time.perf_counter() - start:.1f} s; {total / 2**20:.2f} MiB in {args.out}")
     return 0

@@ -107,8 +107,7 @@ class UtteranceMetrics:
     def overlap_s(self) -> float:
         """Seconds during which the decoder and the generator were busy at the same time."""
         gen = self.generator.periods
-        return sum(max(0.0, min(d1, g1) - max(d0, g0)) for d0, d1 in self.decoder.periods
-                   for g0, g1 in gen)
+        return sum(max(0.0, min(d1, g1) - max(d0, g0)) for d0, d1 in self.decoder.periods for g0, g1 in gen)
 
     @property
     def rtf(self) -> float | None:

@@ -52,15 +52,22 @@ ARCH = "qwen3"
 # Positions per frame: the 2-token prefill and 14 steps.
 _N_POS = 16
 # ffn_down's input is multiplied by this before its F16 cast (and the output by the inverse).
-_FFN_DOWN_INPUT_SCALE = 2.0 ** -6
+_FFN_DOWN_INPUT_SCALE = 2.0**-6
 
 _PLAIN = {QType.F32: np.float32, QType.F16: np.float16}
 _OUTPUT = "output.weight"
 _LAYER_TENSORS = {
-    "attn_norm": L.CP_ATTN_NORM, "attn_q": L.CP_ATTN_Q, "attn_k": L.CP_ATTN_K,
-    "attn_v": L.CP_ATTN_V, "attn_output": L.CP_ATTN_OUT, "attn_q_norm": L.CP_ATTN_Q_NORM,
-    "attn_k_norm": L.CP_ATTN_K_NORM, "ffn_norm": L.CP_FFN_NORM, "ffn_gate": L.CP_FFN_GATE,
-    "ffn_up": L.CP_FFN_UP, "ffn_down": L.CP_FFN_DOWN,
+    "attn_norm": L.CP_ATTN_NORM,
+    "attn_q": L.CP_ATTN_Q,
+    "attn_k": L.CP_ATTN_K,
+    "attn_v": L.CP_ATTN_V,
+    "attn_output": L.CP_ATTN_OUT,
+    "attn_q_norm": L.CP_ATTN_Q_NORM,
+    "attn_k_norm": L.CP_ATTN_K_NORM,
+    "ffn_norm": L.CP_FFN_NORM,
+    "ffn_gate": L.CP_FFN_GATE,
+    "ffn_up": L.CP_FFN_UP,
+    "ffn_down": L.CP_FFN_DOWN,
 }
 # Optional tensors libllama creates for a model built from metadata (a file would simply lack
 # them) and then uses in the graph: filled with the value that makes them a no-op. Any other
@@ -138,7 +145,7 @@ def _metadata(plan: _Plan, cfg: CodePredictorConfig) -> bytes:
         w.add_tokenizer_model("none")
         w.add_vocab_size(cfg.vocab_size)
         for dst, qtype in plan.types.items():
-            w.add_tensor_info(dst, plan.shape(dst), np.float32, plan.nbytes(dst), raw_dtype=qtype)
+            w.add_tensor_info(dst, plan.shape(dst), np.dtype(np.float32), plan.nbytes(dst), raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -177,7 +184,8 @@ class _Weights:
             if t.type != qtype or ne != shape + (1,) * (4 - len(shape)) or data.nbytes != nbytes:
                 raise ModelFileError(
                     f"{self.plan.file.path}: {name} should be {qtype.name} {shape}; libllama made "
-                    f"type {t.type} {ne}")
+                    f"type {t.type} {ne}"
+                )
             self.loaded.add(name)
             if name == _OUTPUT:
                 if ggml.ggml_get_data(tensor) != t.data or t.name != name.encode():
@@ -195,8 +203,9 @@ class _Weights:
         ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, nbytes)
 
 
-def build_llama_model(f: GGUFFile, cfg: CodePredictorConfig,
-                      exact: bool = False) -> tuple[llama_cpp.llama_model_p, int]:
+def build_llama_model(
+    f: GGUFFile, cfg: CodePredictorConfig, exact: bool = False
+) -> tuple[llama_cpp.llama_model_p, int]:
     """A libllama `qwen3` model holding the code predictor (weights copied), and the address of
     its output tensor (struct ggml_tensor), whose data pointer selects the head."""
     init_backend()
@@ -216,14 +225,18 @@ def build_llama_model(f: GGUFFile, cfg: CodePredictorConfig,
     problem = weights.error
     if problem is None and not model:
         problem = ModelFileError(
-            f"{f.path}: libllama could not build the code predictor (run with -vv for llama.cpp's reason)")
+            f"{f.path}: libllama could not build the code predictor (run with -vv for llama.cpp's reason)"
+        )
     missing = sorted(set(plan.types) - _UNUSED - weights.loaded)
     if problem is None and missing:
         problem = ModelFileError(f"{f.path}: libllama did not ask for {missing}")
+    if problem is None and weights.output is None:
+        problem = ModelFileError(f"{f.path}: libllama made no output tensor")
     if problem is not None:
         if model:
             llama_cpp.llama_model_free(model)
         raise problem
+    assert weights.output is not None
     return model, weights.output
 
 
@@ -248,34 +261,46 @@ class _Table:
 class CodePredictor:
     """Codebooks 1..15 of each frame, and the talker's next input embedding."""
 
-    def __init__(self, f: GGUFFile, cfg: CodePredictorConfig, threads: int, exact: bool = False,
-                 cores: SharedCores | None = None) -> None:
+    def __init__(
+        self,
+        f: GGUFFile,
+        cfg: CodePredictorConfig,
+        threads: int,
+        exact: bool = False,
+        cores: SharedCores | None = None,
+    ) -> None:
         self.config = cfg
         self.n_groups = cfg.num_code_groups - 1
         self.vocab_size = cfg.vocab_size
         self._embd = _Table(f, L.CP_EMBD)  # [15, 2048, talker hidden]
         self._talker_embd = _Table(f, L.CP_OUT_EMBD)  # [codec vocab, talker hidden]
         self.talker_hidden = f.tensor_shape(L.CP_EMBD)[-1]
+        self._proj: tuple[np.ndarray, np.ndarray] | None = None  # weight [hidden, talker], bias
         if cfg.has_projection:
-            self._proj_w = np.ascontiguousarray(f.tensor(L.CP_PROJ_IN + ".weight"))  # [hidden, talker]
-            self._proj_b = f.tensor(L.CP_PROJ_IN + ".bias")
-        else:
-            self._proj_w = self._proj_b = None
+            self._proj = (
+                np.ascontiguousarray(f.tensor(L.CP_PROJ_IN + ".weight")),
+                f.tensor(L.CP_PROJ_IN + ".bias"),
+            )
         # our copy of the heads (stored type); the output tensor points into it
         self._heads = np.array(f.raw(L.CP_HEAD))
         self._head_bytes = self._heads[0].nbytes
-        self._model, output = build_llama_model(f, cfg, exact)
+        model, output = build_llama_model(f, cfg, exact)
+        self._model: llama_cpp.llama_model_p | None = model
         self._output = GGMLTensor.from_address(output)
         kv_f32 = exact or f.tensor_type(L.CP_FFN_UP.format(bid=0)) == QType.F32
-        self._lm = EmbeddingLM(self._model, cfg.hidden_size, cfg.vocab_size, 1,
-                               LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS, kv_f32=kv_f32),
-                               cores)
+        self._lm = EmbeddingLM(
+            model,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            1,
+            LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS, kv_f32=kv_f32),
+            cores,
+        )
 
     def close(self) -> None:
-        lm = getattr(self, "_lm", None)
-        if lm is not None:
-            lm.close()
-            self._lm = None
+        """Free the context and the model (once; also when collected)."""
+        if hasattr(self, "_lm"):
+            self._lm.close()
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None
@@ -286,11 +311,12 @@ class CodePredictor:
         self._lm.set_threads(threads)
 
     def _project(self, x: np.ndarray) -> np.ndarray:
-        if self._proj_w is None:
+        if self._proj is None:
             return x
+        weight, bias = self._proj
         # einsum runs in this thread: a BLAS call would wake OpenBLAS threads that spin on the
         # core libllama's second thread needs
-        return np.einsum("oi,ni->no", self._proj_w, x) + self._proj_b
+        return np.einsum("oi,ni->no", weight, x) + bias
 
     def _step(self, x: np.ndarray, codebook: int) -> np.ndarray:
         """Feed rows x (talker width) after the frame's earlier inputs (codebook 1: the first
@@ -300,8 +326,9 @@ class CodePredictor:
         pos = 0 if codebook == 1 else codebook
         return self._lm.forward(self._project(x), pos)[1]
 
-    def predict(self, hidden: np.ndarray, code0: int,
-                sample: Callable[[np.ndarray], int]) -> tuple[np.ndarray, np.ndarray]:
+    def predict(
+        self, hidden: np.ndarray, code0: int, sample: Callable[[np.ndarray], int]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Codes [16] (code0 then cb1..cb15) and the talker's next input embedding
         C_talker(code0) + sum_i cp.embd[i-1](cb_i) [talker hidden]; `sample(logits) -> code`."""
         codes = np.empty(self.n_groups + 1, dtype=np.int64)

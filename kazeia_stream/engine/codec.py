@@ -64,14 +64,20 @@ F32 = np.float32
 # Stateless pieces
 # ---------------------------------------------------------------------------------------------
 
+
 def _erf(x: np.ndarray) -> np.ndarray:
     """erf in float32 to a few ulp: Eigen's rational approximation on [-4, 4] (outside,
     erf is +-1 in float32). numpy has no erf and scipy is not a dependency."""
     x = np.clip(x, -4.0, 4.0)
     x2 = x * x
     p = x2 * F32(-2.72614225801306e-10) + F32(2.77068142495902e-08)
-    for c in (-2.10102402082508e-06, -5.69250639462346e-05, -7.34990630326855e-04,
-              -2.95459980854025e-03, -1.60960333262415e-02):
+    for c in (
+        -2.10102402082508e-06,
+        -5.69250639462346e-05,
+        -7.34990630326855e-04,
+        -2.95459980854025e-03,
+        -1.60960333262415e-02,
+    ):
         p *= x2
         p += F32(c)
     p *= x
@@ -141,6 +147,7 @@ class Linear:
 # Stateful convolutions
 # ---------------------------------------------------------------------------------------------
 
+
 class ContextBuffer:
     """A causal convolution's state and input, [C, context + n]: `context` columns of left
     context (the previous inputs; zeros at the start of an utterance), then the n new columns.
@@ -156,7 +163,7 @@ class ContextBuffer:
             buf = np.empty((self.channels, self.context + n), F32)
             buf[:, : self.context] = self.buf[:, : self.context]
             self.buf = buf
-        return self.buf[:, self.context:]
+        return self.buf[:, self.context :]
 
     def advance(self, n: int) -> None:
         if self.context:
@@ -186,7 +193,7 @@ class CausalConv:
         if self.k > 1:
             t = np.empty_like(y)
             for j in range(1, self.k):
-                _matmul(self.taps[j], buf[:, j * d: j * d + n], out=t)
+                _matmul(self.taps[j], buf[:, j * d : j * d + n], out=t)
                 y += t
         y += self.bias
         state.advance(n)
@@ -216,7 +223,7 @@ class DepthwiseCausalConv:
         buf = state.buf
         y = buf[:, 0:n] * self.taps[0]
         for j in range(1, self.k):
-            y += buf[:, j: j + n] * self.taps[j]
+            y += buf[:, j : j + n] * self.taps[j]
         y += self.bias
         state.advance(n)
         return y
@@ -260,6 +267,7 @@ class CausalTransConv:
 # ---------------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------------
+
 
 class ConvNeXtBlock:
     """x + gamma * pw2(gelu(pw1(LayerNorm(dwconv(x)))))."""
@@ -325,8 +333,9 @@ class DecoderBlock:
     def new_state(self) -> tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]:
         return self.up.new_state(), [unit.new_state() for unit in self.units]
 
-    def __call__(self, state: tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]],
-                 x: np.ndarray) -> np.ndarray:
+    def __call__(
+        self, state: tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]], x: np.ndarray
+    ) -> np.ndarray:
         tail, units = state
         h = self.up(tail, self.act(x))
         for unit, unit_state in zip(self.units, units):
@@ -354,22 +363,24 @@ class TransformerLayer:
         self.ls1, self.ls2 = t(L.WAV_TFM_ATTN_SCALE)[:, None], t(L.WAV_TFM_FFN_SCALE)[:, None]
 
     def new_state(self, slots: int) -> KVRing:
-        return KVRing(np.zeros((self.n_kv, self.head_dim, slots), F32),
-                      np.zeros((self.n_kv, self.head_dim, slots), F32))
+        return KVRing(
+            np.zeros((self.n_kv, self.head_dim, slots), F32), np.zeros((self.n_kv, self.head_dim, slots), F32)
+        )
 
-    def __call__(self, kv: KVRing, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                 slots: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def __call__(
+        self, kv: KVRing, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, mask: np.ndarray
+    ) -> np.ndarray:
         """x [C, n]; cos, sin [head_dim, n]; `slots` [n] where the new K/V go; `mask` [n, slots]."""
         n, hd, nh, nkv = x.shape[1], self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv(_rms_norm(x, self.ln1, self.eps))
         qk = _rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n), cos, sin)
         kv.keys[:, :, slots] = qk[nh:]
-        kv.values[:, :, slots] = qkv[(nh + nkv) * hd:].reshape(nkv, hd, n)
+        kv.values[:, :, slots] = qkv[(nh + nkv) * hd :].reshape(nkv, hd, n)
         # grouped-query attention: the `rep` query heads of a kv head share its keys
         rep, r = nh // nkv, kv.keys.shape[2]
         q = qk[:nh].reshape(nkv, rep, hd, n).transpose(0, 1, 3, 2).reshape(nkv, rep * n, hd)
         scores = (q @ kv.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
-        scores *= F32(hd ** -0.5)
+        scores *= F32(hd**-0.5)
         scores += mask
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
@@ -379,7 +390,7 @@ class TransformerLayer:
         attn = attn.reshape(nkv, hd, rep, n).transpose(0, 2, 1, 3).reshape(nh * hd, n)
         x = x + self.ls1 * self.out(attn)
         gu = self.gate_up(_rms_norm(x, self.ln2, self.eps))
-        g, u = gu[: len(gu) // 2], gu[len(gu) // 2:]
+        g, u = gu[: len(gu) // 2], gu[len(gu) // 2 :]
         h = g / (F32(1.0) + np.exp(-g))  # SiLU
         h *= u
         x += self.ls2 * self.down(h)
@@ -430,20 +441,26 @@ class Transformer:
         self.in_proj = Linear(*_pair(f, L.WAV_TFM_IN_PROJ))
         self.out_proj = Linear(*_pair(f, L.WAV_TFM_OUT_PROJ))
         self.norm = _tensor(f, L.WAV_TFM_OUTPUT_NORM)[:, None]
-        self.layers = [TransformerLayer(f, bid, head_dim, self.eps)
-                       for bid in range(_count(f, L.WAV_TFM_ATTN_Q))]
+        self.layers = [
+            TransformerLayer(f, bid, head_dim, self.eps) for bid in range(_count(f, L.WAV_TFM_ATTN_Q))
+        ]
         # as torch: inv_freq = 1 / theta ** (arange(0, d, 2) / d) in float32
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(F32) / F32(head_dim)
         self.inv_freq = (F32(1.0) / (F32(theta) ** exponents)).astype(F32)
 
     def new_state(self) -> TransformerState:
-        return TransformerState(0, np.full(self.n_slots, -(1 << 40), np.int64),
-                                [layer.new_state(self.n_slots) for layer in self.layers])
+        return TransformerState(
+            0,
+            np.full(self.n_slots, -(1 << 40), np.int64),
+            [layer.new_state(self.n_slots) for layer in self.layers],
+        )
 
     def __call__(self, state: TransformerState, x: np.ndarray) -> np.ndarray:
         if x.shape[1] > self.max_step:
-            return np.concatenate([self(state, x[:, i: i + self.max_step])
-                                   for i in range(0, x.shape[1], self.max_step)], axis=1)
+            return np.concatenate(
+                [self(state, x[:, i : i + self.max_step]) for i in range(0, x.shape[1], self.max_step)],
+                axis=1,
+            )
         n = x.shape[1]
         pos = np.arange(state.pos, state.pos + n)
         state.pos += n
@@ -533,8 +550,9 @@ class CodecDecoder:
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self.num_groups = self.quantizer.num_groups
-        self.samples_per_frame = int(np.prod([up.s for up, _ in self.upsample])
-                                     * np.prod([blk.up.s for blk in self.blocks]))
+        self.samples_per_frame = int(
+            np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
+        )
 
     def new_state(self) -> DecoderState:
         """A new utterance: zero context everywhere, RoPE position 0."""
@@ -559,8 +577,8 @@ class CodecDecoder:
         done = 0
         with self._blas.limit(limits=threads or self.threads):
             for i in range(0, len(codes), MAX_FRAMES_PER_PASS):
-                for piece in self._forward(state, codes[i: i + MAX_FRAMES_PER_PASS].astype(np.int64)):
-                    out[done: done + len(piece)] = piece
+                for piece in self._forward(state, codes[i : i + MAX_FRAMES_PER_PASS].astype(np.int64)):
+                    out[done : done + len(piece)] = piece
                     done += len(piece)
         return out
 
@@ -575,13 +593,14 @@ class CodecDecoder:
         in the L2 cache. Every layer streams, so any split gives the same samples."""
         h = self.pre_conv(state.pre_conv, self.quantizer(codes))
         h = self.transformer(state.transformer, h)
-        for (up, block), (tail, context) in zip(self.upsample, state.upsample):
-            h = block(context, up(tail, h))
+        for (up, convnext), (tail, context) in zip(self.upsample, state.upsample):
+            h = convnext(context, up(tail, h))
         pieces = [self.entry(state.entry, h)]
         for block, block_state in zip(self.blocks, state.blocks):
             step = max(1, PIECE_ELEMENTS // (block.up.c_out * block.up.s))
-            pieces = [block(block_state, p[:, i: i + step])
-                      for p in pieces for i in range(0, p.shape[1], step)]
+            pieces = [
+                block(block_state, p[:, i : i + step]) for p in pieces for i in range(0, p.shape[1], step)
+            ]
         for h in pieces:
             n = h.shape[1]
             self.post_act(h, out=state.post_conv.input(n))
@@ -591,6 +610,7 @@ class CodecDecoder:
 # ---------------------------------------------------------------------------------------------
 # Reading the weights
 # ---------------------------------------------------------------------------------------------
+
 
 def _tensor(f: GGUFFile, name: str) -> np.ndarray:
     """A float32 copy in memory the process owns: a memory-mapped page-cache view is slower to
@@ -633,8 +653,9 @@ def _bench(argv: list[str] | None = None) -> None:
     ap.add_argument("per_push", nargs="*", type=int, default=[1, 4, 12])
     ap.add_argument("--frames", type=int, default=48, help="frames decoded per measurement")
     ap.add_argument("--repeat", type=int, default=3, help="measurements; the best is shown")
-    ap.add_argument("--threads", type=int, default=DECODER_THREADS,
-                    help=f"BLAS threads (default {DECODER_THREADS})")
+    ap.add_argument(
+        "--threads", type=int, default=DECODER_THREADS, help=f"BLAS threads (default {DECODER_THREADS})"
+    )
     args = ap.parse_args(argv)
     dec = CodecDecoder(GGUFFile(args.mmproj), threads=args.threads)
     codes = np.random.default_rng(0).integers(0, dec.quantizer.codebook_size, (args.frames, dec.num_groups))
@@ -645,11 +666,14 @@ def _bench(argv: list[str] | None = None) -> None:
             state = dec.new_state()
             wall, cpu = time.perf_counter(), time.process_time()
             for i in range(0, args.frames, per):
-                dec.push(state, codes[i: i + per])
+                dec.push(state, codes[i : i + per])
             walls.append((time.perf_counter() - wall) / args.frames * 1e3)
             cpus.append((time.process_time() - cpu) / args.frames * 1e3)
-        print(f"{per:3d} frames per push: {min(walls):6.1f} ms/frame wall (best of {args.repeat}; "
-              f"mean {np.mean(walls):.1f}), {min(cpus):6.1f} ms/frame cpu", flush=True)
+        print(
+            f"{per:3d} frames per push: {min(walls):6.1f} ms/frame wall (best of {args.repeat}; "
+            f"mean {np.mean(walls):.1f}), {min(cpus):6.1f} ms/frame cpu",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ from .codec import CodecDecoder
 from .talker import Talker, TalkerState
 
 
-def teacher_forced_talker(talker: Talker, code_predictor: CodePredictor, prompt: Prompt,
-                          text: TextFeed, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def teacher_forced_talker(
+    talker: Talker, code_predictor: CodePredictor, prompt: Prompt, text: TextFeed, codes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(logits [N, codec vocab], hidden [N, H]): row 0 from the prefill, row t after feeding
     frame t-1 with its text row (`TextFeed.row`), as the official decode loop does."""
     state = TalkerState()
@@ -31,17 +32,27 @@ def teacher_forced_talker(talker: Talker, code_predictor: CodePredictor, prompt:
     return np.stack(ls), np.stack(hs)
 
 
-def dump(talker: Talker, code_predictor: CodePredictor, codec: CodecDecoder, prompt: Prompt,
-         text: TextFeed, codes: np.ndarray, chunk: int) -> dict[str, np.ndarray]:
+def dump(
+    talker: Talker,
+    code_predictor: CodePredictor,
+    codec: CodecDecoder,
+    prompt: Prompt,
+    text: TextFeed,
+    codes: np.ndarray,
+    chunk: int,
+) -> dict[str, np.ndarray]:
     """Every array of `kazeia-stream dump`, keyed as in its output file."""
     codes = np.asarray(codes, dtype=np.int64)
     talker_logits, talker_hidden = teacher_forced_talker(talker, code_predictor, prompt, text, codes)
-    cp_logits = np.stack([code_predictor.teacher_forced_logits(h, c)
-                          for h, c in zip(talker_hidden, codes)])
+    cp_logits = np.stack([code_predictor.teacher_forced_logits(h, c) for h, c in zip(talker_hidden, codes)])
     state = codec.new_state()
-    streamed = np.concatenate([codec.push(state, codes[i:i + chunk]) for i in range(0, len(codes), chunk)])
+    streamed = np.concatenate([codec.push(state, codes[i : i + chunk]) for i in range(0, len(codes), chunk)])
     return {
-        "prefill": prompt.prefill, "trailing": prompt.trailing,
-        "talker_logits": talker_logits, "talker_hidden": talker_hidden, "cp_logits": cp_logits,
-        "audio": codec.decode(codes), "audio_streamed": streamed,
+        "prefill": prompt.prefill,
+        "trailing": prompt.trailing,
+        "talker_logits": talker_logits,
+        "talker_hidden": talker_hidden,
+        "cp_logits": cp_logits,
+        "audio": codec.decode(codes),
+        "audio_streamed": streamed,
     }

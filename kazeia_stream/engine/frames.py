@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..model.config import GenerationConfig, ModelConfig
+from ..model.config import GenerationConfig, ModelConfig, Sampling
 from ..model.prompt import Prompt, TextFeed
 from .code_predictor import CodePredictor
 from .sampler import CodeSampler, TalkerSampler
@@ -58,15 +58,19 @@ class GenerationOptions:
 
     def resolve(self, config: GenerationConfig) -> GenerationConfig:
         """The model's generation config overridden by the options that are set."""
-        def pick(sampling, prefix: str):
+
+        def pick(sampling: Sampling, prefix: str) -> Sampling:
             fields = ("do_sample", "temperature", "top_k", "top_p")
             values = {f: getattr(self, prefix + f) for f in fields}
             return replace(sampling, **{k: v for k, v in values.items() if v is not None})
 
         penalty = self.repetition_penalty
-        return replace(config, talker=pick(config.talker, ""),
-                       code_predictor=pick(config.code_predictor, "subtalker_"),
-                       repetition_penalty=config.repetition_penalty if penalty is None else penalty)
+        return replace(
+            config,
+            talker=pick(config.talker, ""),
+            code_predictor=pick(config.code_predictor, "subtalker_"),
+            repetition_penalty=config.repetition_penalty if penalty is None else penalty,
+        )
 
 
 @dataclass
@@ -113,20 +117,28 @@ class FrameLoop:
     def __init__(self, talker: Talker, code_predictor: CodePredictor, config: ModelConfig) -> None:
         self.talker, self.code_predictor, self.config = talker, code_predictor, config
 
-    def start(self, prompt: Prompt, text: TextFeed, options: GenerationOptions,
-              rng: np.random.Generator) -> FrameState:
+    def start(
+        self, prompt: Prompt, text: TextFeed, options: GenerationOptions, rng: np.random.Generator
+    ) -> FrameState:
         """Begin an utterance from a prompt and its trailing text (`Model.text_feed`), whose
         later tokens streaming text adds; the samplers draw from `rng`."""
         cfg = self.config
         gen = options.resolve(cfg.generation)
         state = FrameState(
-            talker=TalkerState(), text=text,
+            talker=TalkerState(),
+            text=text,
             talker_sampler=TalkerSampler(
-                gen.talker, rng, eos=cfg.codec_ids.eos, suppress=cfg.suppress_codes,
+                gen.talker,
+                rng,
+                eos=cfg.codec_ids.eos,
+                suppress=cfg.suppress_codes,
                 repetition_penalty=gen.repetition_penalty,
-                min_new_tokens=options.max_frames + 1 if options.ignore_eos and options.max_frames else 2),
+                min_new_tokens=options.max_frames + 1 if options.ignore_eos and options.max_frames else 2,
+            ),
             code_sampler=CodeSampler(gen.code_predictor, rng),
-            max_frames=options.max_frames, max_new_tokens=gen.max_new_tokens)
+            max_frames=options.max_frames,
+            max_new_tokens=gen.max_new_tokens,
+        )
         t0 = time.perf_counter()
         state.hidden, state.logits = self.talker.prefill(state.talker, prompt.prefill, prompt.n_fixed)
         state.times.prefill = time.perf_counter() - t0
@@ -135,8 +147,11 @@ class FrameLoop:
     def next_frame(self, state: FrameState) -> np.ndarray | None:
         """The codes [16] of the next frame, or None once the utterance has ended (EOS, its
         frame cap, or the end of the talker's context)."""
-        if state.done or state.frame >= state.frame_limit or (
-                state.pending is not None and self.talker.room(state.talker) < 1):
+        if (
+            state.done
+            or state.frame >= state.frame_limit
+            or (state.pending is not None and self.talker.room(state.talker) < 1)
+        ):
             state.done = True
             return None
         times = state.times

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -33,8 +34,15 @@ class EmbeddingLM:
     """Feeds embedding rows at given positions and returns hidden states and logits. The KV
     cache is the context's; which positions it holds is the caller's to track."""
 
-    def __init__(self, model: llama_cpp.llama_model_p, n_embd: int, n_logits: int,
-                 n_pos_per_token: int, options: LMOptions, cores: SharedCores | None = None) -> None:
+    def __init__(
+        self,
+        model: llama_cpp.llama_model_p,
+        n_embd: int,
+        n_logits: int,
+        n_pos_per_token: int,
+        options: LMOptions,
+        cores: SharedCores | None = None,
+    ) -> None:
         p = llama_cpp.llama_context_default_params()
         p.n_ctx = options.n_ctx
         p.n_batch = p.n_ubatch = options.n_batch
@@ -59,9 +67,12 @@ class EmbeddingLM:
         self._positions = np.zeros(self.n_batch * n_pos_per_token, dtype=np.int32)
         self._n_seq_id = np.ones(self.n_batch, dtype=np.int32)
         self._want = np.zeros(self.n_batch, dtype=np.int8)
-        self._seq_ids = (ctypes.POINTER(ctypes.c_int32) * self.n_batch)(*([self._seq] * self.n_batch))
+        seq = ctypes.cast(self._seq, ctypes.POINTER(ctypes.c_int32))
+        self._seq_ids = (ctypes.POINTER(ctypes.c_int32) * self.n_batch)(*([seq] * self.n_batch))
         self._batch = llama_cpp.llama_batch(
-            n_tokens=0, token=None, embd=None,
+            n_tokens=0,
+            token=None,
+            embd=None,
             pos=self._positions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             n_seq_id=self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             seq_id=self._seq_ids,
@@ -102,7 +113,7 @@ class EmbeddingLM:
             raise RuntimeError(f"context full: {pos} + {n} positions > n_ctx {self.n_ctx}")
         hidden, logits = [], []
         for start in range(0, n, self.n_batch):
-            h, lg = self._decode(embeds[start:start + self.n_batch], pos + start, outputs == "last")
+            h, lg = self._decode(embeds[start : start + self.n_batch], pos + start, outputs == "last")
             hidden.append(h)
             logits.append(lg)
         if outputs == "last":
@@ -115,14 +126,15 @@ class EmbeddingLM:
             llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
             self._threads_set = threads
         n = len(chunk)
-        self._positions[:n * self.n_pos].reshape(self.n_pos, n)[:] = np.arange(pos, pos + n)
+        self._positions[: n * self.n_pos].reshape(self.n_pos, n)[:] = np.arange(pos, pos + n)
         self._want[:n] = 0
         self._want[n - 1 if last_only else slice(0, n)] = 1
         batch = self._batch
         batch.n_tokens = n
-        batch.embd = ctypes.cast(chunk.ctypes.data, ctypes.POINTER(ctypes.c_float))
+        # a float *, which llama_cpp's annotations declare as an array
+        batch.embd = ctypes.cast(chunk.ctypes.data, ctypes.POINTER(ctypes.c_float))  # type: ignore[assignment]
         rc = llama_cpp.llama_decode(self.ctx, batch)
-        batch.embd = None
+        batch.embd = None  # type: ignore[assignment]
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc})")
         rows = [n - 1] if last_only else range(n)
@@ -135,7 +147,7 @@ class EmbeddingLM:
         return hidden, logits
 
 
-def _copy(out: np.ndarray, ptr, skip_bytes: int) -> None:
+def _copy(out: np.ndarray, ptr: Any, skip_bytes: int) -> None:
     """Copy a libllama output row (a float pointer, NULL if absent) into `out`."""
     address = ctypes.cast(ptr, ctypes.c_void_p).value
     if not address:

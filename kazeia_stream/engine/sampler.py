@@ -50,9 +50,16 @@ class CodeSampler:
 class TalkerSampler:
     """Draws codebook 0 from the talker's codec logits; holds the utterance's history."""
 
-    def __init__(self, params: Sampling, rng: np.random.Generator, *, eos: int,
-                 suppress: np.ndarray, repetition_penalty: float = 1.05,
-                 min_new_tokens: int = 2) -> None:
+    def __init__(
+        self,
+        params: Sampling,
+        rng: np.random.Generator,
+        *,
+        eos: int,
+        suppress: np.ndarray,
+        repetition_penalty: float = 1.05,
+        min_new_tokens: int = 2,
+    ) -> None:
         self.params, self.rng = params, rng
         self.eos, self.suppress = eos, suppress
         self.repetition_penalty, self.min_new_tokens = repetition_penalty, min_new_tokens

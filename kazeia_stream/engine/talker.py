@@ -27,15 +27,22 @@ class Talker:
     generated; the state says how far it goes. The leading rows that every utterance of a
     session shares stay cached between utterances."""
 
-    def __init__(self, model: llama_cpp.llama_model_p, cfg: TalkerConfig, options: LMOptions,
-                 cores: SharedCores | None = None) -> None:
-        self.lm = EmbeddingLM(model, cfg.hidden_size, cfg.codec_vocab_size, POSITIONS_PER_TOKEN,
-                              options, cores)
+    def __init__(
+        self,
+        model: llama_cpp.llama_model_p,
+        cfg: TalkerConfig,
+        options: LMOptions,
+        cores: SharedCores | None = None,
+    ) -> None:
+        self.lm = EmbeddingLM(
+            model, cfg.hidden_size, cfg.codec_vocab_size, POSITIONS_PER_TOKEN, options, cores
+        )
         self.n_ctx = options.n_ctx
         self._fixed: np.ndarray | None = None  # the leading rows whose KV cache is kept
 
-    def prefill(self, state: TalkerState, embeds: np.ndarray,
-                n_fixed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def prefill(
+        self, state: TalkerState, embeds: np.ndarray, n_fixed: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Start an utterance: (final-norm hidden [H], codec logits [codec vocab]) at the last row.
 
         The first `n_fixed` rows (instruction, role, voice: `Prompt.n_fixed`) run as their own

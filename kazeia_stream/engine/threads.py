@@ -39,8 +39,9 @@ class Threads:
         for name in ("talker", "code_predictor", "decoder"):
             n = getattr(self, name)
             if not 1 <= n <= cores:
-                raise UsageError(f"{name} threads must be between 1 and {cores} (this machine's "
-                                 f"cores), not {n}")
+                raise UsageError(
+                    f"{name} threads must be between 1 and {cores} (this machine's cores), not {n}"
+                )
 
     @classmethod
     def default(cls) -> Threads:

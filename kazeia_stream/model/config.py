@@ -9,6 +9,7 @@ writes (`<|spk_ryan|>`, `<|codec_language_english|>`, `<|codec_bos|>`). Our conv
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,9 +27,16 @@ OFFICIAL_DIALECT_SPEAKERS = {"eric": "sichuan_dialect", "dylan": "beijing_dialec
 
 # generation_config.json of every published Qwen3-TTS checkpoint (see the model notes).
 OFFICIAL_GENERATION = {
-    "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
-    "max_new_tokens": 8192, "subtalker_do_sample": True, "subtalker_temperature": 0.9,
-    "subtalker_top_k": 50, "subtalker_top_p": 1.0,
+    "do_sample": True,
+    "temperature": 0.9,
+    "top_k": 50,
+    "top_p": 1.0,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 8192,
+    "subtalker_do_sample": True,
+    "subtalker_temperature": 0.9,
+    "subtalker_top_k": 50,
+    "subtalker_top_p": 1.0,
 }
 
 _CODEC_NAME = re.compile(r"<\|(.+)\|>")
@@ -114,8 +122,12 @@ class ModelConfig:
         return self.codec.sample_rate
 
 
-def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str],
-                text_token_id) -> ModelConfig:
+def read_config(
+    talker: GGUFFile,
+    mmproj: GGUFFile,
+    codec_token_names: list[str],
+    text_token_id: Callable[[str], int],
+) -> ModelConfig:
     """Build the config; `codec_token_names` lists the codec rows' token texts in order and
     `text_token_id(text)` maps a special token's text to its id."""
     tokens = {}
@@ -130,13 +142,14 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
         return tokens[name]
 
     prefix = L.SPEAKER_TOKEN_PREFIX
-    speakers = {k[len(prefix):]: v for k, v in tokens.items() if k.startswith(prefix)}
+    speakers = {k[len(prefix) :]: v for k, v in tokens.items() if k.startswith(prefix)}
     prefix = L.LANGUAGE_TOKEN_PREFIX
-    languages = {k[len(prefix):]: v for k, v in tokens.items() if k.startswith(prefix)}
+    languages = {k[len(prefix) :]: v for k, v in tokens.items() if k.startswith(prefix)}
     dialects = _dialects(talker, speakers)
     has_spkenc = bool(mmproj.get(L.KEY_HAS_AUDIO_ENCODER, False))
     kind = talker.get(L.KEY_TTS_MODEL_TYPE) or (
-        "base" if has_spkenc else "custom_voice" if speakers else "voice_design")
+        "base" if has_spkenc else "custom_voice" if speakers else "voice_design"
+    )
     if kind not in KINDS:
         raise ModelFileError(f"{talker.path}: unknown model type {kind!r}")
 
@@ -144,9 +157,14 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
     size = talker.get(L.KEY_TTS_MODEL_SIZE) or ("0b6" if tcfg.hidden_size <= 1024 else "1b7")
     generation = _generation_config(talker)
     codec_ids = CodecIds(
-        pad=codec_id("codec_pad"), bos=codec_id("codec_bos"), eos=codec_id("codec_eos_token"),
-        think=codec_id("codec_think"), nothink=codec_id("codec_nothink"),
-        think_bos=codec_id("codec_think_bos"), think_eos=codec_id("codec_think_eos"))
+        pad=codec_id("codec_pad"),
+        bos=codec_id("codec_bos"),
+        eos=codec_id("codec_eos_token"),
+        think=codec_id("codec_think"),
+        nothink=codec_id("codec_nothink"),
+        think_bos=codec_id("codec_think_bos"),
+        think_eos=codec_id("codec_think_eos"),
+    )
     return ModelConfig(
         kind=kind,
         size=size,
@@ -154,9 +172,12 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
         code_predictor=_code_predictor_config(mmproj),
         codec=_codec_config(mmproj),
         text_ids=TextIds(
-            im_start=text_token_id("<|im_start|>"), im_end=text_token_id("<|im_end|>"),
-            tts_pad=text_token_id("<tts_pad>"), tts_bos=text_token_id("<tts_text_bos>"),
-            tts_eos=text_token_id("<tts_text_eod>")),
+            im_start=text_token_id("<|im_start|>"),
+            im_end=text_token_id("<|im_end|>"),
+            tts_pad=text_token_id("<tts_pad>"),
+            tts_bos=text_token_id("<tts_text_bos>"),
+            tts_eos=text_token_id("<tts_text_eod>"),
+        ),
         codec_ids=codec_ids,
         speakers=speakers,
         languages=languages,
@@ -170,12 +191,15 @@ def read_config(talker: GGUFFile, mmproj: GGUFFile, codec_token_names: list[str]
 
 def _generation_config(talker: GGUFFile) -> GenerationConfig:
     """The file's `kazeia.generation.*` keys, else the official values."""
-    g = {k: L.GENERATION_KEYS[k](talker.get(L.KEY_GENERATION_PREFIX + k, v))
-         for k, v in OFFICIAL_GENERATION.items()}
+    g = {
+        k: L.GENERATION_KEYS[k](talker.get(L.KEY_GENERATION_PREFIX + k, v))
+        for k, v in OFFICIAL_GENERATION.items()
+    }
     return GenerationConfig(
         talker=Sampling(g["do_sample"], g["temperature"], g["top_k"], g["top_p"]),
-        code_predictor=Sampling(g["subtalker_do_sample"], g["subtalker_temperature"],
-                                g["subtalker_top_k"], g["subtalker_top_p"]),
+        code_predictor=Sampling(
+            g["subtalker_do_sample"], g["subtalker_temperature"], g["subtalker_top_k"], g["subtalker_top_p"]
+        ),
         repetition_penalty=g["repetition_penalty"],
         max_new_tokens=g["max_new_tokens"],
     )

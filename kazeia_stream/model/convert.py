@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import gguf
 import numpy as np
@@ -38,13 +38,16 @@ from . import gguf_layout as L
 TYPES: dict[str, str] = {
     "f32": "everything F32 (lossless: the BF16 weights exactly)",
     "f16": "talker and code-predictor matrices (incl. embeddings and heads) and speaker-encoder "
-           "kernels F16; norms, biases, the code predictor's ffn_down and the codec decoder F32",
+    "kernels F16; norms, biases, the code predictor's ffn_down and the codec decoder F32",
     "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; speaker-encoder "
-            "kernels F16 (kernel rows are too short for Q8_0 blocks); norms, biases, the code "
-            "predictor's ffn_down and the codec decoder F32",
+    "kernels F16 (kernel rows are too short for Q8_0 blocks); norms, biases, the code "
+    "predictor's ffn_down and the codec decoder F32",
 }
-_FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+_FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
 
 _FOLD_ROWS = 4096  # text-embedding rows folded per block
 # Fixed by the architectures (llama.cpp's converter and clip.cpp hard-code them too).
@@ -129,6 +132,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
 # Reading the checkpoint
 # ------------------------------------------------------------------------------------------------
 
+
 class _Json:
     """A JSON object from a file; a missing key is a ModelFileError naming the file and key."""
 
@@ -168,7 +172,11 @@ class _SafeTensors:
     safetensors' numpy API cannot read BF16, so the header is parsed here and BF16 is widened
     by shifting the raw 16 bits into the top of a float32."""
 
-    _DTYPES = {"BF16": np.dtype(np.uint16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
+    _DTYPES: ClassVar[dict[str, np.dtype]] = {
+        "BF16": np.dtype(np.uint16),
+        "F16": np.dtype(np.float16),
+        "F32": np.dtype(np.float32),
+    }
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -186,8 +194,9 @@ class _SafeTensors:
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise ModelFileError(f"{path}: not a safetensors file ({e!r})") from None
 
-    def _entry_of(self, name: str, entry: dict[str, Any], data_start: int,
-                  size: int) -> tuple[np.dtype, tuple[int, ...], int]:
+    def _entry_of(
+        self, name: str, entry: dict[str, Any], data_start: int, size: int
+    ) -> tuple[np.dtype, tuple[int, ...], int]:
         dtype = self._DTYPES.get(entry["dtype"])
         if dtype is None:
             raise ModelFileError(f"{self.path}: tensor {name} has unsupported dtype {entry['dtype']}")
@@ -223,8 +232,10 @@ class _SafeTensors:
 
     def expect(self, name: str, shape: tuple[int, ...]) -> None:
         if self.shape(name) != shape:
-            raise ModelFileError(f"{self.path}: tensor {name} has shape {list(self.shape(name))}, "
-                                 f"expected {list(shape)} from the config")
+            raise ModelFileError(
+                f"{self.path}: tensor {name} has shape {list(self.shape(name))}, "
+                f"expected {list(shape)} from the config"
+            )
 
 
 class _Checkpoint:
@@ -252,6 +263,7 @@ class _Checkpoint:
 # ------------------------------------------------------------------------------------------------
 # Tensors
 # ------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class _Tensor:
@@ -288,8 +300,10 @@ def _stacked(st: _SafeTensors, srcs: list[str], dst: str) -> _Tensor:
 def _snake(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
     """SnakeBeta with its exp()/reciprocal folded in: alpha = exp(a), beta = 1 / (exp(b) + 1e-9)."""
     a, b = f"{src}.alpha", f"{src}.beta"
-    return [_Tensor(f"{dst}.alpha", st.shape(a), lambda: [np.exp(st.read(a))]),
-            _Tensor(f"{dst}.beta", st.shape(b), lambda: [1.0 / (np.exp(st.read(b)) + 1e-9)])]
+    return [
+        _Tensor(f"{dst}.alpha", st.shape(a), lambda: [np.exp(st.read(a))]),
+        _Tensor(f"{dst}.beta", st.shape(b), lambda: [1.0 / (np.exp(st.read(b)) + 1e-9)]),
+    ]
 
 
 def _codebooks(st: _SafeTensors, src: str, n: int, dst: str) -> _Tensor:
@@ -338,29 +352,37 @@ def _token_embd(ckpt: _Checkpoint) -> _Tensor:
 def _talker_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     st = ckpt.weights
     st.expect("talker.codec_head.weight", (ckpt.talker["vocab_size"], ckpt.talker["hidden_size"]))
-    tensors = [_token_embd(ckpt),
-               _copy(st, "talker.model.norm.weight", L.TALKER_OUTPUT_NORM),
-               _copy(st, "talker.codec_head.weight", L.TALKER_OUTPUT)]
+    tensors = [
+        _token_embd(ckpt),
+        _copy(st, "talker.model.norm.weight", L.TALKER_OUTPUT_NORM),
+        _copy(st, "talker.codec_head.weight", L.TALKER_OUTPUT),
+    ]
     for bid in range(ckpt.talker["num_hidden_layers"]):
-        tensors += [_copy(st, f"talker.model.layers.{bid}.{src}", dst.format(bid=bid))
-                    for src, dst in _TALKER_LAYER.items()]
+        tensors += [
+            _copy(st, f"talker.model.layers.{bid}.{src}", dst.format(bid=bid))
+            for src, dst in _TALKER_LAYER.items()
+        ]
     return tensors
 
 
 def _code_predictor_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     st, cp = ckpt.weights, "talker.code_predictor."
     groups = range(ckpt.code_predictor["num_code_groups"] - 1)
-    tensors = [_stacked(st, [f"{cp}model.codec_embedding.{i}.weight" for i in groups], L.CP_EMBD),
-               _stacked(st, [f"{cp}lm_head.{i}.weight" for i in groups], L.CP_HEAD),
-               _copy(st, "talker.model.codec_embedding.weight", L.CP_OUT_EMBD),
-               _copy(st, f"{cp}model.norm.weight", L.CP_OUTPUT_NORM)]
+    tensors = [
+        _stacked(st, [f"{cp}model.codec_embedding.{i}.weight" for i in groups], L.CP_EMBD),
+        _stacked(st, [f"{cp}lm_head.{i}.weight" for i in groups], L.CP_HEAD),
+        _copy(st, "talker.model.codec_embedding.weight", L.CP_OUT_EMBD),
+        _copy(st, f"{cp}model.norm.weight", L.CP_OUTPUT_NORM),
+    ]
     if st.has(f"{cp}small_to_mtp_projection.weight"):
         tensors += _pair(st, f"{cp}small_to_mtp_projection", L.CP_PROJ_IN)
     for bid in range(ckpt.code_predictor["num_hidden_layers"]):
         # ffn_down stays F32 as in llama.cpp: its input peaks near 1.5e5, beyond F16, and
         # ggml's mul_mat casts the input to the weight's type
-        tensors += [_copy(st, f"{cp}model.layers.{bid}.{src}", dst.format(bid=bid), keep_f32=dst == L.CP_FFN_DOWN)
-                    for src, dst in _CP_LAYER.items()]
+        tensors += [
+            _copy(st, f"{cp}model.layers.{bid}.{src}", dst.format(bid=bid), keep_f32=dst == L.CP_FFN_DOWN)
+            for src, dst in _CP_LAYER.items()
+        ]
     return tensors
 
 
@@ -379,30 +401,40 @@ def _codec_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
         _copy(st, "decoder.pre_transformer.norm.weight", L.WAV_TFM_OUTPUT_NORM),
     ]
     for bid in range(dec["num_hidden_layers"]):
-        tensors += [_copy(st, f"decoder.pre_transformer.layers.{bid}.{src}", dst.format(bid=bid))
-                    for src, dst in _WAV_TFM_LAYER.items()]
+        tensors += [
+            _copy(st, f"decoder.pre_transformer.layers.{bid}.{src}", dst.format(bid=bid))
+            for src, dst in _WAV_TFM_LAYER.items()
+        ]
     for bid in range(len(dec["upsampling_ratios"])):
         up = f"decoder.upsample.{bid}."
-        tensors += [*_pair(st, up + "0.conv", L.WAV_UP_CONV.format(bid=bid)),
-                    *_pair(st, up + "1.dwconv.conv", L.WAV_UP_DWCONV.format(bid=bid)),
-                    *_pair(st, up + "1.norm", L.WAV_UP_NORM.format(bid=bid)),
-                    *_pair(st, up + "1.pwconv1", L.WAV_UP_PW1.format(bid=bid)),
-                    *_pair(st, up + "1.pwconv2", L.WAV_UP_PW2.format(bid=bid)),
-                    _copy(st, up + "1.gamma", L.WAV_UP_GAMMA.format(bid=bid))]
+        tensors += [
+            *_pair(st, up + "0.conv", L.WAV_UP_CONV.format(bid=bid)),
+            *_pair(st, up + "1.dwconv.conv", L.WAV_UP_DWCONV.format(bid=bid)),
+            *_pair(st, up + "1.norm", L.WAV_UP_NORM.format(bid=bid)),
+            *_pair(st, up + "1.pwconv1", L.WAV_UP_PW1.format(bid=bid)),
+            *_pair(st, up + "1.pwconv2", L.WAV_UP_PW2.format(bid=bid)),
+            _copy(st, up + "1.gamma", L.WAV_UP_GAMMA.format(bid=bid)),
+        ]
     tensors += _pair(st, "decoder.decoder.0.conv", L.WAV_DAC_ENTRY)
     n_blocks = len(dec["upsample_rates"])
     for bid in range(n_blocks):
         blk = f"decoder.decoder.{bid + 1}.block."  # decoder.decoder.0 is the entry conv
-        tensors += [*_snake(st, blk + "0", L.WAV_DAC_UP_SNAKE.format(bid=bid)),
-                    *_pair(st, blk + "1.conv", L.WAV_DAC_UP_CONV.format(bid=bid))]
+        tensors += [
+            *_snake(st, blk + "0", L.WAV_DAC_UP_SNAKE.format(bid=bid)),
+            *_pair(st, blk + "1.conv", L.WAV_DAC_UP_CONV.format(bid=bid)),
+        ]
         for xid in range(_DAC_RES_UNITS):
             res, ids = f"{blk}{xid + 2}.", {"bid": bid, "xid": xid}
-            tensors += [*_snake(st, res + "act1", L.WAV_DAC_RES_ACT1.format(**ids)),
-                        *_pair(st, res + "conv1.conv", L.WAV_DAC_RES_CONV1.format(**ids)),
-                        *_snake(st, res + "act2", L.WAV_DAC_RES_ACT2.format(**ids)),
-                        *_pair(st, res + "conv2.conv", L.WAV_DAC_RES_CONV2.format(**ids))]
-    tensors += [*_snake(st, f"decoder.decoder.{n_blocks + 1}", L.WAV_DAC_POST_SNAKE),
-                *_pair(st, f"decoder.decoder.{n_blocks + 2}.conv", L.WAV_DAC_POST_CONV)]
+            tensors += [
+                *_snake(st, res + "act1", L.WAV_DAC_RES_ACT1.format(**ids)),
+                *_pair(st, res + "conv1.conv", L.WAV_DAC_RES_CONV1.format(**ids)),
+                *_snake(st, res + "act2", L.WAV_DAC_RES_ACT2.format(**ids)),
+                *_pair(st, res + "conv2.conv", L.WAV_DAC_RES_CONV2.format(**ids)),
+            ]
+    tensors += [
+        *_snake(st, f"decoder.decoder.{n_blocks + 1}", L.WAV_DAC_POST_SNAKE),
+        *_pair(st, f"decoder.decoder.{n_blocks + 2}.conv", L.WAV_DAC_POST_CONV),
+    ]
     return tensors
 
 
@@ -414,18 +446,24 @@ def _speaker_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
         tensors += _pair(st, blk + "tdnn1.conv", L.SPK_TDNN1.format(bid=bid))
         for xid in range(_SPK_RES2_CONVS):
             tensors += _pair(st, f"{blk}res2net_block.blocks.{xid}.conv", L.SPK_RES2.format(bid=bid, xid=xid))
-        tensors += [*_pair(st, blk + "tdnn2.conv", L.SPK_TDNN2.format(bid=bid)),
-                    *_pair(st, blk + "se_block.conv1", L.SPK_SE_CONV1.format(bid=bid)),
-                    *_pair(st, blk + "se_block.conv2", L.SPK_SE_CONV2.format(bid=bid))]
-    return tensors + [*_pair(st, se + "mfa.conv", L.SPK_MFA),
-                      *_pair(st, se + "asp.tdnn.conv", L.SPK_ASP_TDNN),
-                      *_pair(st, se + "asp.conv", L.SPK_ASP_CONV),
-                      *_pair(st, se + "fc", L.SPK_FC)]
+        tensors += [
+            *_pair(st, blk + "tdnn2.conv", L.SPK_TDNN2.format(bid=bid)),
+            *_pair(st, blk + "se_block.conv1", L.SPK_SE_CONV1.format(bid=bid)),
+            *_pair(st, blk + "se_block.conv2", L.SPK_SE_CONV2.format(bid=bid)),
+        ]
+    return [
+        *tensors,
+        *_pair(st, se + "mfa.conv", L.SPK_MFA),
+        *_pair(st, se + "asp.tdnn.conv", L.SPK_ASP_TDNN),
+        *_pair(st, se + "asp.conv", L.SPK_ASP_CONV),
+        *_pair(st, se + "fc", L.SPK_FC),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
 # Vocabulary
 # ------------------------------------------------------------------------------------------------
+
 
 def _text_tokens(ckpt: _Checkpoint) -> tuple[list[str], list[int]]:
     """The Qwen2 vocabulary as llama.cpp writes it: vocab.json tokens NORMAL, added tokens CONTROL
@@ -473,12 +511,17 @@ def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
     for key, val in ckpt.talker.data.items():
         if not key.endswith("_id"):
             continue
-        prefix = key[:-len("_id")]
-        ids = {f"<|{prefix}|>": val} if isinstance(val, int) else (
-            {f"<|{prefix}_{k}|>": v for k, v in val.items()} if isinstance(val, dict) else {})
+        prefix = key[: -len("_id")]
+        ids = (
+            {f"<|{prefix}|>": val}
+            if isinstance(val, int)
+            else ({f"<|{prefix}_{k}|>": v for k, v in val.items()} if isinstance(val, dict) else {})
+        )
         for name, i in ids.items():
             if not isinstance(i, int) or not 0 <= i < n:
-                raise ModelFileError(f"{ckpt.config.path}: talker_config.{key} id {i} is outside the codec vocabulary")
+                raise ModelFileError(
+                    f"{ckpt.config.path}: talker_config.{key} id {i} is outside the codec vocabulary"
+                )
             names[i] = name
     return names
 
@@ -486,6 +529,7 @@ def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # Writing
 # ------------------------------------------------------------------------------------------------
+
 
 def _talker_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
     """The talker's metadata in a writer, and its tensors."""
@@ -577,8 +621,9 @@ def _mmproj_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, lis
     return w, tensors
 
 
-def _add_general(w: gguf.GGUFWriter, ckpt: _Checkpoint, file_kind: str, out_type: str,
-                 tensors: list[_Tensor]) -> None:
+def _add_general(
+    w: gguf.GGUFWriter, ckpt: _Checkpoint, file_kind: str, out_type: str, tensors: list[_Tensor]
+) -> None:
     """general.* as llama.cpp writes them: name, basename, size label... from the directory name
     and model card, sampling defaults from generation_config.json, file type."""
     n_params = sum(math.prod(t.shape) for t in tensors)
@@ -630,6 +675,7 @@ def _write_file(w: gguf.GGUFWriter, tensors: list[_Tensor], path: Path, out_type
         w.write_header_to_file(path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        assert w.fout is not None  # opened by write_header_to_file
         fout = w.fout[0]
         w.write_padding(fout, fout.tell())
         for i, (t, qtype) in enumerate(zip(tensors, types)):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ..errors import ModelFileError
@@ -22,17 +22,46 @@ from ..ggml_lib import GGUFInitParams, ggml
 GGUF_MAGIC = b"GGUF"
 
 # enum gguf_type
-_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(13)
+(
+    _UINT8,
+    _INT8,
+    _UINT16,
+    _INT16,
+    _UINT32,
+    _INT32,
+    _FLOAT32,
+    _BOOL,
+    _STRING,
+    _ARRAY,
+    _UINT64,
+    _INT64,
+    _FLOAT64,
+) = range(13)
 _SCALAR_GETTERS = {
-    _UINT8: "gguf_get_val_u8", _INT8: "gguf_get_val_i8", _UINT16: "gguf_get_val_u16",
-    _INT16: "gguf_get_val_i16", _UINT32: "gguf_get_val_u32", _INT32: "gguf_get_val_i32",
-    _FLOAT32: "gguf_get_val_f32", _BOOL: "gguf_get_val_bool", _UINT64: "gguf_get_val_u64",
-    _INT64: "gguf_get_val_i64", _FLOAT64: "gguf_get_val_f64",
+    _UINT8: "gguf_get_val_u8",
+    _INT8: "gguf_get_val_i8",
+    _UINT16: "gguf_get_val_u16",
+    _INT16: "gguf_get_val_i16",
+    _UINT32: "gguf_get_val_u32",
+    _INT32: "gguf_get_val_i32",
+    _FLOAT32: "gguf_get_val_f32",
+    _BOOL: "gguf_get_val_bool",
+    _UINT64: "gguf_get_val_u64",
+    _INT64: "gguf_get_val_i64",
+    _FLOAT64: "gguf_get_val_f64",
 }
 _ARRAY_DTYPES = {
-    _UINT8: np.uint8, _INT8: np.int8, _UINT16: np.uint16, _INT16: np.int16, _UINT32: np.uint32,
-    _INT32: np.int32, _FLOAT32: np.float32, _BOOL: np.bool_, _UINT64: np.uint64,
-    _INT64: np.int64, _FLOAT64: np.float64,
+    _UINT8: np.uint8,
+    _INT8: np.int8,
+    _UINT16: np.uint16,
+    _INT16: np.int16,
+    _UINT32: np.uint32,
+    _INT32: np.int32,
+    _FLOAT32: np.float32,
+    _BOOL: np.bool_,
+    _UINT64: np.uint64,
+    _INT64: np.int64,
+    _FLOAT64: np.float64,
 }
 _PLAIN_DTYPES = {
     GGMLQuantizationType.F32: np.float32,
@@ -58,11 +87,16 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: the GGUF header is damaged or truncated")
         data_offset = ggml.gguf_get_data_offset(self._ctx)
         for i in range(ggml.gguf_get_n_tensors(self._ctx)):
-            end = data_offset + ggml.gguf_get_tensor_offset(self._ctx, i) + ggml.gguf_get_tensor_size(self._ctx, i)
+            end = (
+                data_offset
+                + ggml.gguf_get_tensor_offset(self._ctx, i)
+                + ggml.gguf_get_tensor_size(self._ctx, i)
+            )
             if end > size:
                 name = ggml.gguf_get_tensor_name(self._ctx, i).decode()
                 raise ModelFileError(
-                    f"{self.path}: truncated ({size} bytes, tensor {name} ends at byte {end})")
+                    f"{self.path}: truncated ({size} bytes, tensor {name} ends at byte {end})"
+                )
         self._data_offset = data_offset
 
     def __del__(self) -> None:
@@ -100,8 +134,10 @@ class GGUFFile:
 
     @cached_property
     def tensor_names(self) -> list[str]:
-        return [ggml.gguf_get_tensor_name(self._ctx, i).decode()
-                for i in range(ggml.gguf_get_n_tensors(self._ctx))]
+        return [
+            ggml.gguf_get_tensor_name(self._ctx, i).decode()
+            for i in range(ggml.gguf_get_n_tensors(self._ctx))
+        ]
 
     def has_tensor(self, name: str) -> bool:
         return ggml.gguf_find_tensor(self._ctx, name.encode()) >= 0

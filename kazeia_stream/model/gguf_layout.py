@@ -86,16 +86,32 @@ KEY_DIALECT_SPEAKERS = "kazeia.dialect_speakers"  # parallel string arrays from 
 KEY_DIALECT_LANGUAGES = "kazeia.dialect_languages"
 KEY_GENERATION_PREFIX = "kazeia.generation."  # + a GENERATION_KEYS key
 GENERATION_KEYS: dict[str, type] = {  # generation_config.json (subtalker_dosample renamed); type
-    "do_sample": bool, "temperature": float, "top_k": int, "top_p": float,
-    "repetition_penalty": float, "max_new_tokens": int, "subtalker_do_sample": bool,
-    "subtalker_temperature": float, "subtalker_top_k": int, "subtalker_top_p": float,
+    "do_sample": bool,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "repetition_penalty": float,
+    "max_new_tokens": int,
+    "subtalker_do_sample": bool,
+    "subtalker_temperature": float,
+    "subtalker_top_k": int,
+    "subtalker_top_p": float,
 }
 KEY_CODEC_PREFIX = "kazeia.codec."  # + a CODEC_KEYS key
 CODEC_KEYS: dict[str, type] = {  # speech_tokenizer/config.json decoder_config; type
-    "codebook_size": int, "codebook_dim": int, "latent_dim": int, "hidden_size": int,
-    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
-    "intermediate_size": int, "num_hidden_layers": int, "rms_norm_eps": float,
-    "rope_theta": float, "sliding_window": int, "decoder_dim": int,
+    "codebook_size": int,
+    "codebook_dim": int,
+    "latent_dim": int,
+    "hidden_size": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "intermediate_size": int,
+    "num_hidden_layers": int,
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "sliding_window": int,
+    "decoder_dim": int,
 }
 KEY_CODEC_SAMPLE_RATE = KEY_CODEC_PREFIX + "sample_rate"
 KEY_CODEC_SAMPLES_PER_FRAME = KEY_CODEC_PREFIX + "samples_per_frame"

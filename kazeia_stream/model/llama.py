@@ -58,4 +58,3 @@ class LlamaModel:
         if getattr(self, "ptr", None):
             llama_cpp.llama_model_free(self.ptr)
             self.ptr = None
-

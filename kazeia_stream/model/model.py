@@ -70,8 +70,9 @@ class Model:
         codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
         text_vocab = self.tokenizer.n_tokens - codec_vocab
         names = [self.tokenizer.token_text(text_vocab + i) for i in range(codec_vocab)]
-        self.config: ModelConfig = read_config(self.talker_file, self.mmproj_file, names,
-                                               self.tokenizer.special_id)
+        self.config: ModelConfig = read_config(
+            self.talker_file, self.mmproj_file, names, self.tokenizer.special_id
+        )
         self._rows = _TalkerRows(self.talker_file, self.config.talker.text_vocab_size)
 
     @cached_property
@@ -103,29 +104,56 @@ class Model:
         """The voice used when none is given: the first built-in speaker by name, if any."""
         return self.voices[0] if self.voices else None
 
-    def prefill(self, text: str, *, voice: str | None = None, language: str = "auto",
-                instruct: str | None = None, text_streaming: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def prefill(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        language: str = "auto",
+        instruct: str | None = None,
+        text_streaming: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The talker's prefill embeddings [T, H] and the trailing text embeddings [N, H].
 
         With `text_streaming` only the first text token is in the prefill and one more text
         embedding joins each generated frame; without it the whole text is in the prefill.
         """
-        prompt = self.prompt(text, voice=voice, language=language, instruct=instruct,
-                             text_streaming=text_streaming)
+        prompt = self.prompt(
+            text, voice=voice, language=language, instruct=instruct, text_streaming=text_streaming
+        )
         return prompt.prefill, prompt.trailing
 
-    def prompt(self, text: str, *, voice: str | None = None, language: str = "auto",
-               instruct: str | None = None, text_streaming: bool = True) -> Prompt:
+    def prompt(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        language: str = "auto",
+        instruct: str | None = None,
+        text_streaming: bool = True,
+    ) -> Prompt:
         """`prefill`'s arrays with the number of text tokens they hold."""
         role_ids, body_ids = self._tokens(text)
-        return self.prompt_from_tokens(body_ids, voice=voice, language=language,
-                                       instruct=instruct, text_streaming=text_streaming,
-                                       role_ids=role_ids)
+        return self.prompt_from_tokens(
+            body_ids,
+            voice=voice,
+            language=language,
+            instruct=instruct,
+            text_streaming=text_streaming,
+            role_ids=role_ids,
+        )
 
-    def prompt_from_tokens(self, body_ids: list[int], *, voice: str | None = None,
-                           language: str = "auto", instruct: str | None = None,
-                           text_streaming: bool = True, text_complete: bool = True,
-                           role_ids: list[int] | None = None) -> Prompt:
+    def prompt_from_tokens(
+        self,
+        body_ids: list[int],
+        *,
+        voice: str | None = None,
+        language: str = "auto",
+        instruct: str | None = None,
+        text_streaming: bool = True,
+        text_complete: bool = True,
+        role_ids: list[int] | None = None,
+    ) -> Prompt:
         """The prompt for text already tokenized (streaming text: only its first tokens)."""
         speaker = self._resolve_voice(voice)
         language_id = self._resolve_language(language, speaker)
@@ -133,9 +161,17 @@ class Model:
         role_ids = role_ids or self._encode(ROLE_TEXT)
         spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
         return build_prompt(
-            self._rows, self.config.text_ids, self.config.codec_ids, role_ids, body_ids,
-            instruct_ids=instruct_ids, language_id=language_id, speaker=spk_row,
-            text_streaming=text_streaming, text_complete=text_complete)
+            self._rows,
+            self.config.text_ids,
+            self.config.codec_ids,
+            role_ids,
+            body_ids,
+            instruct_ids=instruct_ids,
+            language_id=language_id,
+            speaker=spk_row,
+            text_streaming=text_streaming,
+            text_complete=text_complete,
+        )
 
     def text_embeddings(self, ids: list[int]) -> np.ndarray:
         """Rows T(id) of text tokens [n, H], as trailing text."""
@@ -147,8 +183,9 @@ class Model:
 
     def text_feed(self, prompt: Prompt) -> TextFeed:
         """The trailing text of `prompt`, to which streaming text adds its next tokens."""
-        return TextFeed(self._rows, self.config.text_ids, prompt.trailing, prompt.n_text_tokens,
-                        prompt.text_complete)
+        return TextFeed(
+            self._rows, self.config.text_ids, prompt.trailing, prompt.n_text_tokens, prompt.text_complete
+        )
 
     def incremental_tokenizer(self) -> IncrementalTokenizer:
         """A tokenizer for text arriving in pieces."""
@@ -206,7 +243,9 @@ class Model:
 def _check_architecture(talker: GGUFFile, mmproj: GGUFFile) -> None:
     arch = talker.get(L.KEY_ARCHITECTURE)
     if arch != L.TALKER_ARCH:
-        raise ModelFileError(f"{talker.path}: architecture is {arch!r}, not a Qwen3-TTS talker ({L.TALKER_ARCH!r})")
+        raise ModelFileError(
+            f"{talker.path}: architecture is {arch!r}, not a Qwen3-TTS talker ({L.TALKER_ARCH!r})"
+        )
     proj = mmproj.get(L.KEY_GEN_PROJECTOR_TYPE)
     if mmproj.get(L.KEY_ARCHITECTURE) != "clip" or proj != L.GEN_PROJECTOR_TYPE:
         raise ModelFileError(f"{mmproj.path}: not a Qwen3-TTS mmproj (generation projector {proj!r})")

@@ -70,8 +70,14 @@ class TextFeed:
     used up, PAD. A row of text still to come is None: the frame loop waits for it, since PAD
     would tell the model that the text has ended."""
 
-    def __init__(self, emb: Embeddings, text_ids: TextIds, rows: np.ndarray | None = None,
-                 n_tokens: int = 0, complete: bool = False) -> None:
+    def __init__(
+        self,
+        emb: Embeddings,
+        text_ids: TextIds,
+        rows: np.ndarray | None = None,
+        n_tokens: int = 0,
+        complete: bool = False,
+    ) -> None:
         self._emb = emb
         self.pad, self.eos = emb.text([text_ids.tts_pad, text_ids.tts_eos])
         self.rows: list[np.ndarray] = [] if rows is None else list(rows)
@@ -169,5 +175,10 @@ def build_prompt(
         parts.append(np.concatenate([body_rows, eos[None]]) + codec_pad)
         parts.append(pad[None] + codec_rows[-1:])
         trailing = pad[None].copy()
-    return Prompt(np.concatenate(parts).astype(np.float32, copy=False),
-                  trailing.astype(np.float32, copy=False), len(body_ids), n_fixed, text_complete)
+    return Prompt(
+        np.concatenate(parts).astype(np.float32, copy=False),
+        trailing.astype(np.float32, copy=False),
+        len(body_ids),
+        n_fixed,
+        text_complete,
+    )

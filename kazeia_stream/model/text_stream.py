@@ -30,7 +30,7 @@ class IncrementalTokenizer:
         self._cut = 0  # text[:_cut] is fully released
 
     def _tokens(self, text: str) -> list[int]:
-        return self._encode(PREFIX + text)[self._prefix_len:]
+        return self._encode(PREFIX + text)[self._prefix_len :]
 
     def feed(self, piece: str) -> list[int]:
         """Add a piece; return the tokens that became final."""
@@ -39,7 +39,7 @@ class IncrementalTokenizer:
         for cut in self._cuts():
             stable = self._tokens(self.text[:cut])
             tokens = tokens if tokens is not None else self._tokens(self.text)
-            if tokens[:len(stable)] == stable:
+            if tokens[: len(stable)] == stable:
                 self._cut = cut
                 return self._release(stable)
         return []
@@ -53,11 +53,12 @@ class IncrementalTokenizer:
         """Candidate cut positions, latest first: a whitespace or punctuation character after
         the released text, right after a non-space character (a word just ended)."""
         text = self.text
-        cuts = [i for i in range(len(text) - 1, self._cut, -1)
-                if _is_cut(text[i]) and not text[i - 1].isspace()]
+        cuts = [
+            i for i in range(len(text) - 1, self._cut, -1) if _is_cut(text[i]) and not text[i - 1].isspace()
+        ]
         return cuts[:3]
 
     def _release(self, tokens: list[int]) -> list[int]:
-        new = tokens[self.released:]
+        new = tokens[self.released :]
         self.released = len(tokens)
         return new

@@ -12,10 +12,14 @@ from ..engine.codec import CodecDecoder, DecoderState
 from ..engine.threads import SharedCores
 
 
-async def decode_frames(codec: CodecDecoder, cores: SharedCores,
-                        frames: trio.MemoryReceiveChannel[Frame],
-                        out: trio.MemorySendChannel[AudioChunk], metrics: UtteranceMetrics,
-                        first_audio: trio.Event) -> None:
+async def decode_frames(
+    codec: CodecDecoder,
+    cores: SharedCores,
+    frames: trio.MemoryReceiveChannel[Frame],
+    out: trio.MemorySendChannel[AudioChunk],
+    metrics: UtteranceMetrics,
+    first_audio: trio.Event,
+) -> None:
     """Decode frames as they come, each segment from a new decoder state. Frames of a segment
     that queued up while the decoder was busy are decoded together in one push (same samples,
     fewer and larger matrix products). The first push runs alone (the generator waits for it)

@@ -14,11 +14,17 @@ from ..model import Model
 from ..model.prompt import Prompt
 
 
-async def generate_frames(model: Model, loop: FrameLoop, make_prompt: Callable[[list[int], bool], Prompt],
-                          text_streaming: bool, options: GenerationOptions,
-                          tokens: trio.MemoryReceiveChannel[TextTokens],
-                          out: trio.MemorySendChannel[Frame], metrics: UtteranceMetrics,
-                          first_audio: trio.Event) -> None:
+async def generate_frames(
+    model: Model,
+    loop: FrameLoop,
+    make_prompt: Callable[[list[int], bool], Prompt],
+    text_streaming: bool,
+    options: GenerationOptions,
+    tokens: trio.MemoryReceiveChannel[TextTokens],
+    out: trio.MemorySendChannel[Frame],
+    metrics: UtteranceMetrics,
+    first_audio: trio.Event,
+) -> None:
     """Generate each segment once enough of its text is known; send frames until its EOS or
     cap, then go on with the next segment. Frames are numbered across segments; each
     segment's first is marked `new_segment`. The samplers of all segments draw from one
@@ -38,8 +44,7 @@ async def generate_frames(model: Model, loop: FrameLoop, make_prompt: Callable[[
     async with tokens, out:
         while (start := await _segment_start(tokens, text_streaming)) is not None:
             prompt = make_prompt(*start)
-            state = await trio.to_thread.run_sync(loop.start, prompt, model.text_feed(prompt),
-                                                  options, rng)
+            state = await trio.to_thread.run_sync(loop.start, prompt, model.text_feed(prompt), options, rng)
             try:
                 index = await _frames(loop, state, index, tokens, out, metrics, first_audio)
                 await _skip_rest(state, tokens)
@@ -47,8 +52,9 @@ async def generate_frames(model: Model, loop: FrameLoop, make_prompt: Callable[[
                 metrics.add_times(state.times)
 
 
-async def _segment_start(tokens: trio.MemoryReceiveChannel[TextTokens],
-                         text_streaming: bool) -> tuple[list[int], bool] | None:
+async def _segment_start(
+    tokens: trio.MemoryReceiveChannel[TextTokens], text_streaming: bool
+) -> tuple[list[int], bool] | None:
     """The first tokens of the next segment (all of them without text streaming), and whether
     they are all of it; None once the text has ended."""
     ids: list[int] = []
@@ -63,9 +69,15 @@ async def _segment_start(tokens: trio.MemoryReceiveChannel[TextTokens],
     return ids, end
 
 
-async def _frames(loop: FrameLoop, state: FrameState, index: int,
-                  tokens: trio.MemoryReceiveChannel[TextTokens], out: trio.MemorySendChannel[Frame],
-                  metrics: UtteranceMetrics, first_audio: trio.Event) -> int:
+async def _frames(
+    loop: FrameLoop,
+    state: FrameState,
+    index: int,
+    tokens: trio.MemoryReceiveChannel[TextTokens],
+    out: trio.MemorySendChannel[Frame],
+    metrics: UtteranceMetrics,
+    first_audio: trio.Event,
+) -> int:
     """One segment's frames, numbered from `index`; returns the next frame's number."""
     first = index
     while True:

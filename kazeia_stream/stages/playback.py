@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PREBUFFER_S = 0.1
 
 
-def prebuffer_for(rate: float, remaining_s: float, margin: float = 0.1,
-                  minimum: float = DEFAULT_PREBUFFER_S) -> float:
+def prebuffer_for(
+    rate: float, remaining_s: float, margin: float = 0.1, minimum: float = DEFAULT_PREBUFFER_S
+) -> float:
     """Seconds of audio to queue before playback starts so that it never runs dry.
 
     `rate` is audio seconds produced per wall second (>= 1: faster than real time).
@@ -63,14 +64,14 @@ def _sounddevice() -> ModuleType:
     except OSError as e:  # sounddevice raises OSError('PortAudio library not found')
         raise UsageError(f"cannot play audio: {e} (install it: apt-get install libportaudio2)") from None
     except ImportError:
-        raise UsageError("cannot play audio: the sounddevice package is missing "
-                         "(pip install sounddevice)") from None
+        raise UsageError(
+            "cannot play audio: the sounddevice package is missing (pip install sounddevice)"
+        ) from None
     return sounddevice
 
 
 def _output_devices(sd: ModuleType) -> list[tuple[int, str]]:
-    return [(i, d["name"]) for i, d in enumerate(sd.query_devices())
-            if d["max_output_channels"] > 0]
+    return [(i, d["name"]) for i, d in enumerate(sd.query_devices()) if d["max_output_channels"] > 0]
 
 
 def list_output_devices() -> list[str]:
@@ -83,8 +84,10 @@ def _resolve_device(sd: ModuleType, device: str | int | None) -> int:
     outputs = _output_devices(sd)
     available = ", ".join(f"{name!r} ({i})" for i, name in outputs) or "none"
     if not outputs:
-        raise UsageError("no audio output device found (no sound card, or no sound server "
-                         "such as PulseAudio running); write to a file instead")
+        raise UsageError(
+            "no audio output device found (no sound card, or no sound server "
+            "such as PulseAudio running); write to a file instead"
+        )
     if device is None:
         default = sd.default.device[1]
         if isinstance(default, str):
@@ -117,8 +120,13 @@ class AudioPlayer:
     (or `await p.drain()` in trio). `prebuffer_s` may be changed at any time.
     """
 
-    def __init__(self, sample_rate: int, device: str | int | None = None, latency: float = 0.2,
-                 prebuffer_s: float = DEFAULT_PREBUFFER_S) -> None:
+    def __init__(
+        self,
+        sample_rate: int,
+        device: str | int | None = None,
+        latency: float = 0.2,
+        prebuffer_s: float = DEFAULT_PREBUFFER_S,
+    ) -> None:
         self.sample_rate = int(sample_rate)
         self.device = device
         self.latency = float(latency)
@@ -147,17 +155,27 @@ class AudioPlayer:
         sd = _sounddevice()
         index = _resolve_device(sd, self.device)
         try:
-            stream = sd.OutputStream(samplerate=self.sample_rate, device=index, channels=1,
-                                     dtype="float32", latency=self.latency,
-                                     callback=self._callback)
+            stream = sd.OutputStream(
+                samplerate=self.sample_rate,
+                device=index,
+                channels=1,
+                dtype="float32",
+                latency=self.latency,
+                callback=self._callback,
+            )
             stream.start()
         except sd.PortAudioError as e:
             name = sd.query_devices(index)["name"]
-            raise UsageError(f"cannot open audio output {name!r} ({index}) at "
-                             f"{self.sample_rate} Hz: {e}") from None
+            raise UsageError(
+                f"cannot open audio output {name!r} ({index}) at {self.sample_rate} Hz: {e}"
+            ) from None
         self._stream = stream
-        log.info("audio output %r, %d Hz, latency %.0f ms", sd.query_devices(index)["name"],
-                 self.sample_rate, 1000 * stream.latency)
+        log.info(
+            "audio output %r, %d Hz, latency %.0f ms",
+            sd.query_devices(index)["name"],
+            self.sample_rate,
+            1000 * stream.latency,
+        )
         return self
 
     def close(self) -> None:
@@ -171,8 +189,9 @@ class AudioPlayer:
     def __enter__(self) -> AudioPlayer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # -- producer side ---------------------------------------------------------------------
@@ -285,8 +304,11 @@ class AudioPlayer:
         """Log from the producer's thread (never from the callback), once per utterance."""
         if self._utterance_underruns and not self._warned:
             self._warned = True
-            log.warning("audio playback ran dry (%d underruns so far); generation is slower "
-                        "than real time: raise prebuffer_s (see prebuffer_for)", self._underruns)
+            log.warning(
+                "audio playback ran dry (%d underruns so far); generation is slower "
+                "than real time: raise prebuffer_s (see prebuffer_for)",
+                self._underruns,
+            )
 
     def _callback(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
         out = outdata[:, 0]
@@ -304,7 +326,7 @@ class AudioPlayer:
             while pos < frames and chunks:
                 chunk = chunks[0]
                 n = min(frames - pos, chunk.size - self._head)
-                out[pos:pos + n] = chunk[self._head:self._head + n]
+                out[pos : pos + n] = chunk[self._head : self._head + n]
                 pos += n
                 self._head += n
                 if self._head == chunk.size:

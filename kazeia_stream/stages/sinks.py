@@ -23,8 +23,9 @@ def pcm_bytes(pcm: np.ndarray, fmt: str) -> bytes:
     return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-async def play(utterance: SpokenAudio, player: AudioPlayer, expected_s: float,
-               longest_s: float | None = None) -> None:
+async def play(
+    utterance: SpokenAudio, player: AudioPlayer, expected_s: float, longest_s: float | None = None
+) -> None:
     """Play an utterance as it is produced.
 
     Whenever playback waits (before it starts, or after running dry) the pre-buffer follows the

@@ -13,8 +13,12 @@ from ..model import Model
 from ..model.segments import Part, Segmenter
 
 
-async def feed_text(model: Model, source: str | AsyncIterable[str], max_segment_bytes: int,
-                    out: trio.MemorySendChannel[TextTokens]) -> None:
+async def feed_text(
+    model: Model,
+    source: str | AsyncIterable[str],
+    max_segment_bytes: int,
+    out: trio.MemorySendChannel[TextTokens],
+) -> None:
     """Send the tokens of `source` as soon as they are final, a segment's last message marked
     `segment_end` (see `model.segments` for where a long text is split).
 
