@@ -17,12 +17,13 @@ OFFLINE_HINT = (
 
 
 def fetch_default_model() -> Path:
-    """The folder of the default pair, downloading it on first use (needs `huggingface_hub`)."""
+    """The folder of the default pair, downloading it on first use (the `hf` extra)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise UsageError(
-            f"no model given and huggingface_hub is not installed to fetch {DEFAULT_REPO}; {OFFLINE_HINT}"
+            f"no model given and huggingface_hub is not installed to fetch {DEFAULT_REPO} "
+            f"(pip install 'kazeia-stream[hf]'); {OFFLINE_HINT}"
         ) from None
     try:
         return Path(snapshot_download(DEFAULT_REPO, allow_patterns=DEFAULT_PATTERNS))
