@@ -7,7 +7,7 @@ voice, language and instruction, back to back:
 
 - a segment ends at the first sentence end (. ! ? ... or a full-width form, then any closing
   quotes or brackets, then whitespace) once it holds at least `min_bytes` of UTF-8 (by default
-  half of `max_bytes`: a text that fits is not split), and at a paragraph break (a blank line);
+  half of `max_bytes`, so shorter texts are not split), and at a paragraph break (a blank line);
 - it never holds more than `max_bytes` bytes (a token is at least one byte): a segment that
   would grow past it ends before the word that would not fit, and a longer word is cut;
 - the whitespace between two segments is dropped, and so is whitespace around the text.
