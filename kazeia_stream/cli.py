@@ -56,15 +56,22 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive(value: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
-    return n
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {low}, got {value!r}")
+        return n
+
+    return parse
+
+
+_positive = _at_least(1)
 
 
 def _model_path(args: argparse.Namespace) -> str:
@@ -359,7 +366,7 @@ def speak_parser() -> argparse.ArgumentParser:
     _add_threads(p)
     _add_model(p)
     _add_voice(p)
-    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same audio")
+    p.add_argument("--seed", type=_at_least(0), help="random seed: the same seed gives the same audio")
     p.add_argument(
         "--text-streaming",
         action="store_true",

@@ -48,8 +48,8 @@ PIECE_BUFFER = 1024  # text pieces of one line waiting to be tokenized
 
 async def read_lines(fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveChannel[str]]) -> None:
     """Send each line of UTF-8 text on `fd` as a channel of its pieces, opened as soon as the
-    line starts, so a line is spoken while it is still being written. Invalid UTF-8 is reported
-    on stderr and skipped."""
+    line starts, so a line is spoken while it is still being written. A line ends at LF, CR or
+    CR LF. Invalid UTF-8 is reported on stderr and skipped."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     send: trio.MemorySendChannel[str] | None = None
     async with lines, trio.lowlevel.FdStream(os.dup(fd)) as source:
@@ -61,7 +61,7 @@ async def read_lines(fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveCh
                 text = _decode(decoder, part).rstrip("\r\n")
                 if text:
                     await send.send(text)
-                if part.endswith(b"\n"):
+                if part.endswith((b"\n", b"\r")):
                     decoder.reset()
                     await send.aclose()
                     send = None

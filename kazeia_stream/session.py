@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -46,8 +46,16 @@ AUDIO_BUFFER = 4
 class Utterance:
     """An utterance being spoken: iterate it for `AudioChunk`s; `cancel()` stops it at once."""
 
-    def __init__(self, text: str | AsyncIterable[str], options: GenerationOptions, sample_rate: int) -> None:
+    def __init__(
+        self,
+        text: str | AsyncIterable[str],
+        options: GenerationOptions,
+        sample_rate: int,
+        on_iterate: Callable[[Utterance], None],
+    ) -> None:
         self.text, self.options = text, options
+        self._on_iterate = on_iterate
+        self.iterated = False
         self._send, self._receive = trio.open_memory_channel[AudioChunk](AUDIO_BUFFER)
         self.metrics = UtteranceMetrics(started=time.perf_counter(), sample_rate=sample_rate)
         self.cancel_scope = trio.CancelScope()
@@ -55,7 +63,10 @@ class Utterance:
         self.error: BaseException | None = None
 
     def cancel(self) -> None:
-        """Stop generating at the next engine-call boundary and drop audio not yet taken."""
+        """Stop generating at the next engine-call boundary and drop audio not yet taken (an
+        utterance already finished stays as it was)."""
+        if self.done.is_set():
+            return
         self.metrics.cancelled = True
         self.cancel_scope.cancel()
 
@@ -63,6 +74,8 @@ class Utterance:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[AudioChunk]:
+        self.iterated = True
+        self._on_iterate(self)
         async with self._receive:
             async for chunk in self._receive:
                 if self.metrics.cancelled:
@@ -101,7 +114,7 @@ class Session:
     def speak(self, text: str | AsyncIterable[str], *, seed: int | None = None) -> Utterance:
         """Queue `text` to be spoken after the utterances asked for before it; return it."""
         options = self.options if seed is None else replace(self.options, seed=seed)
-        utterance = Utterance(text, options, self.model.sample_rate)
+        utterance = Utterance(text, options, self.model.sample_rate, self._moved_on)
         self._pending.append(utterance)
         self._queue.send_nowait(utterance)
         return utterance
@@ -111,6 +124,15 @@ class Session:
         queued after it are spoken next."""
         if self._pending:
             self._pending[0].cancel()
+
+    def _moved_on(self, utterance: Utterance) -> None:
+        """The caller iterates `utterance`: those asked for before it that nobody iterates are
+        abandoned (their audio has nowhere to go, and they would hold the queue): cancel them."""
+        for earlier in self._pending:
+            if earlier is utterance:
+                return
+            if not earlier.iterated:
+                earlier.cancel()
 
     @property
     def metrics(self) -> UtteranceMetrics | None:

@@ -73,7 +73,7 @@ async def test_a_session_speaks_every_segment_back_to_back(runtime, segments):
             utterance = tts.speak(text)
             chunks = [c async for c in utterance]
             pcm = np.concatenate([c.pcm for c in chunks])
-            assert pcm.shape == offline.shape and np.abs(pcm - offline).max() <= 1e-5
+            assert np.array_equal(pcm, offline)
             indices = [c.frame_index for c in chunks]
             assert indices == sorted(indices) and utterance.metrics.frames == len(pcm) // FRAME
 
@@ -131,7 +131,7 @@ def test_pipe_speaks_a_page_on_one_line(runtime, segments, capped_model):
     assert r.returncode == 0, r.stderr.decode()
     pcm = np.frombuffer(r.stdout, "<f4")
     audio, _ = runtime.synthesize(line, voice="ryan", seed=4, text_streaming=True)
-    assert pcm.shape == audio.shape and np.abs(pcm - audio).max() <= 1e-5
+    assert np.array_equal(pcm, audio)
     assert frames_per_segment(len(pcm) // FRAME, len(split_text(line, 454)))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import kazeia_stream
 from kazeia_stream import ModelFileError, UsageError
-from kazeia_stream.model.prompt import assistant_text
+from kazeia_stream.model.prompt import ASSISTANT, ASSISTANT_TAIL
 
 REFS = Path(__file__).parent / "data" / "refs"
 
@@ -63,7 +63,7 @@ def _prefill_cases(kind: str):
 def test_prefill_matches_the_official_embeddings(kind, request):
     model = request.getfixturevalue(kind)
     for case, prefill_ref, trailing_ref, ids_ref in _prefill_cases(kind):
-        assert model._encode(assistant_text(case["text"])) == ids_ref.tolist(), case["name"]
+        assert model._turn(ASSISTANT, case["text"], ASSISTANT_TAIL) == ids_ref.tolist(), case["name"]
         prefill, trailing = model.prefill(
             case["text"],
             voice=case["voice"],

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 import kazeia_stream
-from kazeia_stream.model.prompt import assistant_text
+
+
+def assistant_text(text: str) -> str:
+    """The official template, as one string (control tokens parsed wherever they are)."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
 
 TEXTS = [
     "Hello, world. This is a test of streaming text, token by token!",
@@ -52,3 +57,13 @@ def test_streaming_prompt_equals_the_whole_text_prompt(model):
     assert np.array_equal(feed.row(n), model.pad_embedding)  # then PAD, for ever
     assert np.array_equal(feed.row(n + 50), model.pad_embedding)
     assert feed.n_tokens == len(ids) == whole.n_text_tokens
+
+
+def test_control_token_text_in_the_text_is_spoken_as_written(model):
+    text = "Say <|im_start|> and <|codec_pad|> and <tts_pad>, please."
+    ids = model._tokens(text)[1]
+    specials = {model.config.text_ids.im_start, model.config.text_ids.im_end, model.config.text_ids.tts_pad}
+    assert not specials & set(ids)
+    assert "".join(model.tokenizer.token_text(i) for i in ids).replace("\u0120", " ") == text
+    stream = model.incremental_tokenizer()
+    assert stream.feed(text[:20]) + stream.feed(text[20:]) + stream.finish() == ids

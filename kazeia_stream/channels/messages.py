@@ -54,13 +54,8 @@ class StageTrace:
 
     @property
     def busy(self) -> float:
-        """Seconds of work; frames handled together share one span, counted once."""
-        return sum(end - start for start, end in self.periods)
-
-    @property
-    def periods(self) -> list[tuple[float, float]]:
-        """The distinct (start, end) spans, in order."""
-        return sorted({(start, end) for _, start, end in self.spans})
+        """Seconds of work."""
+        return sum(end - start for _, start, end in self.spans)
 
 
 @dataclass
@@ -106,8 +101,11 @@ class UtteranceMetrics:
     @property
     def overlap_s(self) -> float:
         """Seconds during which the decoder and the generator were busy at the same time."""
-        gen = self.generator.periods
-        return sum(max(0.0, min(d1, g1) - max(d0, g0)) for d0, d1 in self.decoder.periods for g0, g1 in gen)
+        return sum(
+            max(0.0, min(d1, g1) - max(d0, g0))
+            for _, d0, d1 in self.decoder.spans
+            for _, g0, g1 in self.generator.spans
+        )
 
     @property
     def rtf(self) -> float | None:

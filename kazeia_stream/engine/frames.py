@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..errors import UsageError
 from ..model.config import GenerationConfig, ModelConfig, Sampling
 from ..model.prompt import Prompt, TextFeed
 from .code_predictor import CodePredictor
@@ -53,6 +54,10 @@ class GenerationOptions:
     ignore_eos: bool = False  # generate exactly max_frames (benchmarks)
 
     def __post_init__(self) -> None:
+        if self.seed is not None and self.seed < 0:
+            raise UsageError(f"the seed must be a whole number of at least 0, not {self.seed}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise UsageError(f"max_frames must be at least 1, not {self.max_frames}")
         if self.ignore_eos and not self.max_frames:
             raise ValueError("ignore_eos needs max_frames")
 

@@ -14,8 +14,18 @@ from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
-from .prompt import Prompt, TextFeed, assistant_text, build_prompt, instruct_text
-from .text_stream import PREFIX as ROLE_TEXT
+from .prompt import (
+    ASSISTANT,
+    ASSISTANT_TAIL,
+    IM_START,
+    ROLE_TOKENS,
+    TAIL_TOKENS,
+    USER,
+    USER_TAIL,
+    Prompt,
+    TextFeed,
+    build_prompt,
+)
 from .text_stream import IncrementalTokenizer
 from .tokenizer import Tokenizer
 
@@ -158,7 +168,7 @@ class Model:
         speaker = self._resolve_voice(voice)
         language_id = self._resolve_language(language, speaker)
         instruct_ids = self._instruct_ids(instruct)
-        role_ids = role_ids or self._encode(ROLE_TEXT)
+        role_ids = role_ids or self._encode(IM_START + ASSISTANT)
         spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
         return build_prompt(
             self._rows,
@@ -189,23 +199,32 @@ class Model:
 
     def incremental_tokenizer(self) -> IncrementalTokenizer:
         """A tokenizer for text arriving in pieces."""
-        return IncrementalTokenizer(self._encode)
+        return IncrementalTokenizer(self._encode_text)
 
     def _tokens(self, text: str) -> tuple[list[int], list[int]]:
-        """(role ids, body ids): the tokens of `assistant_text(text)` sliced as the official
-        code slices them."""
+        """(role ids, body ids): the tokens of the assistant template around `text`, sliced as
+        the official code slices them."""
         if not text or not text.strip():
             raise EmptyTextError("the text is empty")
-        template = self._encode(assistant_text(text))
-        return template[:3], template[3:-5]
+        template = self._turn(ASSISTANT, text, ASSISTANT_TAIL)
+        return template[:ROLE_TOKENS], template[ROLE_TOKENS:-TAIL_TOKENS]
 
-    def _encode(self, text: str) -> list[int]:
-        """Tokens of a template string; text ids beyond the text vocabulary would be codec rows."""
+    def _turn(self, role: str, text: str, tail: str) -> list[int]:
+        """The tokens of IM_START + role + text + tail: the template's control tokens are parsed,
+        the text's never (a "<|im_start|>" in the text is spoken as the characters it is). The
+        role and the text are tokenized together, as the pre-tokenizer sees them."""
+        return [*self._encode(IM_START), *self._encode_text(role + text), *self._encode(tail)]
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._encode(text, special=False)
+
+    def _encode(self, text: str, special: bool = True) -> list[int]:
+        """Tokens of a string; text ids beyond the text vocabulary would be codec rows."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("the text is not valid UTF-8") from None
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text, special)
         if max(ids) >= self.config.talker.text_vocab_size:
             raise UsageError("the text contains a codec control token such as <|codec_0|>")
         return ids
@@ -237,7 +256,7 @@ class Model:
         if self.kind == "custom_voice" and self.config.size == "0b6":
             log.warning("the 0.6B CustomVoice model ignores instructions (as the official code does)")
             return None
-        return self._encode(instruct_text(instruct))
+        return self._turn(USER, instruct, USER_TAIL)
 
 
 def _check_architecture(talker: GGUFFile, mmproj: GGUFFile) -> None:

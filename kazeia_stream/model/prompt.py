@@ -109,14 +109,14 @@ class TextFeed:
         return np.stack(self.rows).astype(np.float32, copy=False)
 
 
-def assistant_text(text: str) -> str:
-    """The chat template around the text to speak (the official `_build_assistant_text`)."""
-    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def instruct_text(instruct: str) -> str:
-    """The chat template around a voice instruction (the official `_build_instruct_text`)."""
-    return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+# The chat templates around the text to speak and a voice instruction (the official
+# `_build_assistant_text` and `_build_instruct_text`): "<|im_start|>" ROLE TEXT TAIL.
+IM_START = "<|im_start|>"
+ASSISTANT, ASSISTANT_TAIL = "assistant\n", "<|im_end|>\n<|im_start|>assistant\n"
+USER, USER_TAIL = "user\n", "<|im_end|>\n"
+# The official code slices the assistant template's tokens: the first 3 are the role, the last 5
+# the tail, the rest the text.
+ROLE_TOKENS, TAIL_TOKENS = 3, 5
 
 
 def build_prompt(
@@ -135,7 +135,7 @@ def build_prompt(
     """The prompt: prefill [T, H] and trailing [N, H] rows.
 
     `role_ids` are the 3 tokens of "<|im_start|>assistant\n" and `body_ids` the text's tokens,
-    as the official code slices the tokens of `assistant_text(text)`; `speaker` is a codec row
+    as the official code slices the tokens of the assistant template; `speaker` is a codec row
     (CustomVoice) or an x-vector (Base). With `text_complete=False` (streaming text still
     arriving) the trailing rows stop short of the closing EOS row.
     """

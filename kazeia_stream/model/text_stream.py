@@ -12,7 +12,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable
 
-PREFIX = "<|im_start|>assistant\n"
+from .prompt import ASSISTANT
 
 
 def _is_cut(ch: str) -> bool:
@@ -24,13 +24,13 @@ class IncrementalTokenizer:
 
     def __init__(self, encode: Callable[[str], list[int]]) -> None:
         self._encode = encode
-        self._prefix_len = len(encode(PREFIX))
+        self._prefix_len = len(encode(ASSISTANT))
         self.text = ""
         self.released = 0  # tokens of the body released so far
         self._cut = 0  # text[:_cut] is fully released
 
     def _tokens(self, text: str) -> list[int]:
-        return self._encode(PREFIX + text)[self._prefix_len :]
+        return self._encode(ASSISTANT + text)[self._prefix_len :]
 
     def feed(self, piece: str) -> list[int]:
         """Add a piece; return the tokens that became final."""

@@ -21,15 +21,16 @@ class Tokenizer:
         self._vocab = vocab
         self.n_tokens = llama_cpp.llama_vocab_n_tokens(vocab)
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`, with special tokens such as <|im_start|> recognised and no BOS added.
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Ids of `text`, no BOS added; with `special`, the texts of special tokens such as
+        <|im_start|> are those tokens, else plain text like any other.
 
         Text is NFC-normalised first, as the official (Hugging Face) Qwen2 tokenizer does.
         """
         data = unicodedata.normalize("NFC", text).encode("utf-8")
         n_max = len(data) + 16
         buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, False, True)
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, False, special)
         if n < 0:
             raise RuntimeError(f"tokenizer needs {-n} slots for {len(data)} bytes")
         return list(buf[:n])
