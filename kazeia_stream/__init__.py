@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import EmptyTextError, KazeiaError, ModelFileError, UsageError
+from .errors import EmptyTextError, KazeiaError, ModelFileError, OutputError, UsageError
 
 if TYPE_CHECKING:
     from .engine.threads import Threads
@@ -33,6 +33,7 @@ __all__ = [
     "KazeiaError",
     "Model",
     "ModelFileError",
+    "OutputError",
     "Runtime",
     "Session",
     "Threads",

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
@@ -151,10 +151,9 @@ def write_file(runtime: Runtime, args: argparse.Namespace) -> int:
         text_streaming=args.text_streaming,
         options=GenerationOptions(seed=args.seed),
     )
-    first = next(pcm, None)  # a bad text or voice fails before the file is created
     progress = Progress(rate)
-    with AudioFileWriter(args.output, rate) as out:
-        for chunk in itertools.chain([] if first is None else [first], pcm):
+    with AudioFileWriter(args.output, rate) as out:  # a bad target fails before any work
+        for chunk in pcm:
             out.write(chunk)
             progress.update(out.frames)
     progress.close(f"wrote {args.output}: {out.frames / rate:.2f} s")
@@ -213,12 +212,23 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     runtime = _runtime(args)
     model = runtime.model
-    codes = np.load(args.codes)
-    if codes.ndim != 2 or codes.shape[1] != model.config.codec.num_quantizers or len(codes) == 0:
+    codec = model.config.codec
+    try:
+        codes = np.load(args.codes, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{args.codes}: not a .npy file of codes ({e})") from None
+    if not (
+        codes.ndim == 2
+        and codes.shape[1] == codec.num_quantizers
+        and len(codes)
+        and np.issubdtype(codes.dtype, np.integer)
+    ):
         raise UsageError(
-            f"{args.codes}: expected integer codes [N, {model.config.codec.num_quantizers}], "
-            f"got shape {codes.shape}"
+            f"{args.codes}: expected integer codes [N, {codec.num_quantizers}], "
+            f"got {codes.dtype} {codes.shape}"
         )
+    if codes.min() < 0 or codes.max() >= codec.codebook_size:
+        raise UsageError(f"{args.codes}: codes must be between 0 and {codec.codebook_size - 1}")
     prompt = model.prompt(
         args.text,
         voice=args.voice,
@@ -389,9 +399,36 @@ def subcommand_parser() -> argparse.ArgumentParser:
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, stream=sys.stderr, format="kazeia-stream: %(message)s")
-    logging.getLogger("llama.cpp").setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
+    # -v shows llama.cpp's errors (why it refused a file), -vv all of its log
+    llama_level = logging.CRITICAL if verbose == 0 else logging.ERROR if verbose == 1 else logging.DEBUG
+    logging.getLogger("llama.cpp").setLevel(llama_level)
     # gguf's writer logs each metadata header the code predictor builds at load
     logging.getLogger("gguf").setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+
+
+_terminated = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM stops the command as Ctrl-C does (trio handles SIGINT at a safe point; the file
+    writer keeps the audio so far), then exits with 143."""
+    global _terminated
+    _terminated = True
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _user_facing(exc: BaseException) -> BaseException | None:
+    """The interruption or our error inside `exc` (trio wraps what crosses its nurseries in
+    exception groups), interruptions first; None for anything else (a bug: its traceback)."""
+    for kind in (KeyboardInterrupt, KazeiaError):
+        if isinstance(exc, kind):
+            return exc
+        if isinstance(exc, BaseExceptionGroup) and (group := exc.subgroup(kind)) is not None:
+            leaf: BaseException = group
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            return leaf
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -399,14 +436,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = subcommand_parser() if argv and argv[0] in SUBCOMMANDS else speak_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)
-    except KazeiaError as e:
-        print(f"kazeia-stream: error: {e}", file=sys.stderr)
+    except BaseException as exc:
+        error = _user_facing(exc)
+        if isinstance(error, KeyboardInterrupt):
+            print(f"kazeia-stream: {'terminated' if _terminated else 'interrupted'}", file=sys.stderr)
+            return 143 if _terminated else 130
+        if error is None:
+            raise
+        print(f"kazeia-stream: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("kazeia-stream: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

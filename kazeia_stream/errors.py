@@ -15,3 +15,7 @@ class UsageError(KazeiaError):
 
 class EmptyTextError(UsageError):
     """The text to speak is empty or only whitespace (a blank line in `--pipe` is skipped)."""
+
+
+class OutputError(KazeiaError):
+    """The audio cannot be written where it was asked to go (a full disk, a closed pipe)."""

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from .engine.frames import frame_cap
-from .errors import EmptyTextError, UsageError
+from .errors import EmptyTextError, OutputError, UsageError
 from .runtime import Runtime
 from .stages.playback import AudioPlayer
 from .stages.sinks import play, write_pcm
@@ -94,7 +94,8 @@ async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]
 
 async def pipe(runtime: Runtime, fmt: str, **session: Any) -> int:
     """Read text from stdin (a line is an utterance) and write raw PCM to stdout, nothing
-    else, flushed per chunk. A closed stdout ends it quietly."""
+    else, flushed per chunk. A reader that closed stdout ends it quietly; any other write error
+    is an `OutputError`."""
     lines_send, lines = trio.open_memory_channel[trio.MemoryReceiveChannel[str]](LINE_BUFFER)
     out = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
     async with out, runtime.open(**session) as tts, trio.open_nursery() as nursery:
@@ -106,7 +107,10 @@ async def pipe(runtime: Runtime, fmt: str, **session: Any) -> int:
                 pass
             except UsageError as e:
                 print(f"kazeia-stream: {e}", file=sys.stderr)
-            except (trio.BrokenResourceError, BrokenPipeError):
+            except trio.BrokenResourceError as e:
+                if not isinstance(e.__cause__, BrokenPipeError):
+                    reason = getattr(e.__cause__, "strerror", None) or str(e.__cause__ or e)
+                    raise OutputError(f"cannot write to stdout: {reason}") from None
                 nursery.cancel_scope.cancel()
                 break
     return 0

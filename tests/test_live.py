@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +65,26 @@ def test_missing_device_is_a_one_line_error(pulse_null_sink, model_path):
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and "no audio output device 'no-such-card'" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_a_signal_during_live_playback_stops_it_in_one_line(pulse_null_sink, model_path, sig, code, word):
+    with pulse_null_sink.record() as rec:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kazeia_stream", TEXT * 10, "--model", model_path],
+            stderr=subprocess.PIPE,
+            env=pulse_null_sink.subprocess_env(),
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not np.any(np.abs(rec.samples()) > 1e-3):
+            time.sleep(0.05)  # until the speech is heard
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == code
+    err = proc.stderr.read().decode().strip()
+    assert err == f"kazeia-stream: {word}"
 
 
 async def test_barge_in_silences_the_sound_card_within_100_ms(pulse_null_sink, tiny_runtime):

@@ -19,11 +19,14 @@ so the peak memory is about the largest tensor, not the model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -50,6 +53,7 @@ _FILE_TYPES = {
 }
 
 _FOLD_ROWS = 4096  # text-embedding rows folded per block
+_FINGERPRINT_BYTES = 1 << 20
 # Fixed by the architectures (llama.cpp's converter and clip.cpp hard-code them too).
 _SPK_BLOCKS = 3  # ECAPA-TDNN SE-Res2Net blocks, `blocks.1..3`
 _SPK_RES2_CONVS = 7  # res2net scale 8
@@ -111,6 +115,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
         raise UsageError(f"unknown type {out_type!r}; choose one of {', '.join(TYPES)}")
     ckpt = _Checkpoint(Path(hf_dir))
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: not a folder (the pair is written into OUT_DIR)")
     out.mkdir(parents=True, exist_ok=True)
     name = ckpt.dir.resolve().name
     paths = (out / f"{name}-{out_type}.gguf", out / f"mmproj-{name}-{out_type}.gguf")
@@ -258,6 +264,21 @@ class _Checkpoint:
             raise ModelFileError(f"{self.config.path}: unknown tts_model_type {self.kind!r}")
         self.weights = _SafeTensors(hf_dir / "model.safetensors")
         self.codec = _SafeTensors(hf_dir / "speech_tokenizer" / "model.safetensors")
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Which checkpoint this is, written into both files so that a talker and an mmproj of
+        different checkpoints are refused together (any types of one checkpoint pair up): a
+        hash of the configs and of the first and last MiB of each weights file."""
+        h = hashlib.sha256()
+        for path in (self.config.path, self.codec_config.path, self.weights.path, self.codec.path):
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
+                h.update(f.read(_FINGERPRINT_BYTES))
+                f.seek(max(0, size - _FINGERPRINT_BYTES))
+                h.update(f.read(_FINGERPRINT_BYTES) + size.to_bytes(8, "little"))
+        return h.hexdigest()[:32]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -634,6 +655,7 @@ def _add_general(
     meta.set_gguf_meta_model(w)
     w.add_uint32(L.KEY_FILE_TYPE, int(_FILE_TYPES[out_type]))
     w.add_uint32(L.KEY_QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
+    w.add_string(L.KEY_CHECKPOINT_ID, ckpt.fingerprint)
 
 
 def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float) -> None:

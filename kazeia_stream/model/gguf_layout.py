@@ -82,6 +82,7 @@ KEY_GEN_LAYERNORM_EPS = "clip.gen.audio.attention.layer_norm_epsilon"
 # --- kazeia.* (our converter only) ---
 KEY_TTS_MODEL_TYPE = "kazeia.tts_model_type"  # custom_voice | base | voice_design
 KEY_TTS_MODEL_SIZE = "kazeia.tts_model_size"  # 0b6 | 1b7
+KEY_CHECKPOINT_ID = "kazeia.checkpoint_id"  # in both files: which checkpoint they come from
 KEY_DIALECT_SPEAKERS = "kazeia.dialect_speakers"  # parallel string arrays from spk_is_dialect
 KEY_DIALECT_LANGUAGES = "kazeia.dialect_languages"
 KEY_GENERATION_PREFIX = "kazeia.generation."  # + a GENERATION_KEYS key

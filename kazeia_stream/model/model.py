@@ -75,6 +75,8 @@ class Model:
         self.talker_file = GGUFFile(talker_path)
         self.mmproj_file = GGUFFile(mmproj_path)
         _check_architecture(self.talker_file, self.mmproj_file)
+        _check_pair(self.talker_file, self.mmproj_file)
+        _check_checkpoint(self.talker_file, self.mmproj_file)
         self.llama_model = LlamaModel(talker_path)
         self.tokenizer = Tokenizer(self.llama_model.vocab)
         codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
@@ -268,6 +270,26 @@ def _check_architecture(talker: GGUFFile, mmproj: GGUFFile) -> None:
     proj = mmproj.get(L.KEY_GEN_PROJECTOR_TYPE)
     if mmproj.get(L.KEY_ARCHITECTURE) != "clip" or proj != L.GEN_PROJECTOR_TYPE:
         raise ModelFileError(f"{mmproj.path}: not a Qwen3-TTS mmproj (generation projector {proj!r})")
+
+
+def _check_checkpoint(talker: GGUFFile, mmproj: GGUFFile) -> None:
+    """Files of our converter say which checkpoint they come from (published ones do not)."""
+    ids = talker.get(L.KEY_CHECKPOINT_ID), mmproj.get(L.KEY_CHECKPOINT_ID)
+    if None not in ids and ids[0] != ids[1]:
+        raise ModelFileError(f"{talker.path} and {mmproj.path} were converted from different checkpoints")
+
+
+def _check_pair(talker: GGUFFile, mmproj: GGUFFile) -> None:
+    """Widths the two files share, for pairs without a checkpoint id (published files)."""
+    hidden = talker.require(L.KEY_EMBEDDING_LENGTH)
+    codec_vocab = talker.tensor_shape(L.TALKER_OUTPUT)[0]
+    cp_width = mmproj.tensor_shape(L.CP_EMBD)[-1]
+    cp_rows = mmproj.tensor_shape(L.CP_OUT_EMBD)[0]
+    if (cp_width, cp_rows) != (hidden, codec_vocab):
+        raise ModelFileError(
+            f"{talker.path} and {mmproj.path} are not a pair: the talker has width {hidden} and "
+            f"{codec_vocab} codec rows, the mmproj expects {cp_width} and {cp_rows}"
+        )
 
 
 def load_model(path: str | os.PathLike[str]) -> Model:

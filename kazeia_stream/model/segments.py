@@ -27,7 +27,7 @@ Part = tuple[str, bool]  # text of the current segment, and whether the segment 
 
 
 def _nbytes(text: str) -> int:
-    return len(text.encode("utf-8"))
+    return len(text.encode("utf-8", "surrogatepass"))  # invalid text is refused by the tokenizer
 
 
 class Segmenter:
