@@ -101,3 +101,18 @@ def test_a_carriage_return_ends_a_line(model_path, expected):
     r = subprocess.run(pipe(model_path), input=stdin, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr.decode()
     assert same_pcm(r.stdout, expected, "s16le") and r.stderr == b""
+
+
+def test_the_same_seed_gives_the_same_bytes_on_a_loaded_machine(model_path, expected):
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        stdin = ("\n".join(LINES) + "\n").encode()
+        r = subprocess.run(
+            pipe(model_path, "--format", "f32le"), input=stdin, capture_output=True, timeout=300
+        )
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert r.returncode == 0, r.stderr.decode()
+    assert same_pcm(r.stdout, expected, "f32le")
