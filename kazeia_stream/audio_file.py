@@ -43,7 +43,12 @@ class AudioFileWriter:
         if fmt not in sf.available_formats() or sf.default_subtype(fmt) is None:
             raise UsageError(f"{self.path}: unknown audio format {fmt!r} (try .wav, .flac or .ogg)")
         self._target = _target(self.path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self._target.name}.", suffix=".part", dir=self._target.parent)
+        try:
+            fd, tmp = tempfile.mkstemp(
+                prefix=f".{self._target.name}.", suffix=".part", dir=self._target.parent
+            )
+        except OSError as e:
+            raise OutputError(f"cannot write {self.path}: {_reason(e)}") from None
         os.close(fd)
         self._tmp = Path(tmp)
         os.chmod(self._tmp, 0o666 & ~_umask())  # mkstemp makes it private; a new file would not be
@@ -51,7 +56,7 @@ class AudioFileWriter:
             self._file = sf.SoundFile(self._tmp, "w", samplerate=sample_rate, channels=1, format=fmt)
         except (sf.LibsndfileError, OSError) as e:
             self._tmp.unlink(missing_ok=True)
-            raise OutputError(f"cannot write {self.path}: {e}") from None
+            raise OutputError(f"cannot write {self.path}: {_reason(e)}") from None
         self.frames = 0
 
     def write(self, samples: np.ndarray) -> None:

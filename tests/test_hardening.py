@@ -233,3 +233,18 @@ def test_convert_onto_a_file_fails_in_one_line(tiny_checkpoint, tmp_path):
     rc, err, _ = run("convert", str(tiny_checkpoint("custom_voice")), str(target))
     assert rc == 1 and one_line(err, "not a folder"), err
     assert target.read_text() == "a file"
+
+
+def test_why_libllama_refused_a_talker_shows_at_v(tiny_gguf, tmp_path):
+    talker, mmproj = tiny_gguf("custom_voice")
+    folder = pair(tmp_path, talker, mmproj)
+    broken = Path(folder) / talker.name
+    data = bytearray(broken.read_bytes())
+    key = b"qwen3tts.block_count"
+    at = data.index(key) + len(key) + 4  # the key, its u32 type, then its u32 value
+    data[at : at + 4] = (int.from_bytes(data[at : at + 4], "little") + 1).to_bytes(4, "little")
+    broken.write_bytes(bytes(data))  # one layer more than the file holds
+    rc, err, _ = run("voices", "--model", folder)
+    assert rc == 1 and one_line(err, "libllama could not load it"), err
+    rc, err, _ = run("voices", "--model", folder, "-v")
+    assert rc == 1 and "tensor 'blk.2.attn_norm.weight' not found" in err and "Traceback" not in err, err

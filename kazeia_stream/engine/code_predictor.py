@@ -225,7 +225,7 @@ def build_llama_model(
     problem = weights.error
     if problem is None and not model:
         problem = ModelFileError(
-            f"{f.path}: libllama could not build the code predictor (run with -vv for llama.cpp's reason)"
+            f"{f.path}: libllama could not build the code predictor (run with -v for llama.cpp's reason)"
         )
     missing = sorted(set(plan.types) - _UNUSED - weights.loaded)
     if problem is None and missing:
