@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import KazeiaError, UsageError
 from .stages.sinks import FORMATS
@@ -121,9 +121,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
     runtime = _runtime(args)
-    session = dict(
-        voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed, text_streaming=True
-    )
+    session = dict(**_voice(args), seed=args.seed, text_streaming=True)
     if args.pipe:
         return trio.run(functools.partial(live.pipe, runtime, args.format, **session))
     if args.output:
@@ -145,9 +143,7 @@ def write_file(runtime: Runtime, args: argparse.Namespace) -> int:
     rate = runtime.model.sample_rate
     pcm = runtime.audio(
         args.text,
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
+        **_voice(args),
         text_streaming=args.text_streaming,
         options=GenerationOptions(seed=args.seed),
     )
@@ -229,13 +225,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         )
     if codes.min() < 0 or codes.max() >= codec.codebook_size:
         raise UsageError(f"{args.codes}: codes must be between 0 and {codec.codebook_size - 1}")
-    prompt = model.prompt(
-        args.text,
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
-        text_streaming=args.text_streaming,
-    )
+    prompt = model.prompt(args.text, **_voice(args), text_streaming=args.text_streaming)
     arrays = dump(
         runtime.talker,
         runtime.code_predictor,
@@ -348,6 +338,11 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentP
     "dump": _dump_parser,
     "bench": _bench_parser,
 }
+
+
+def _voice(args: argparse.Namespace) -> dict[str, Any]:
+    """--voice, --language and --instruct, as keyword arguments."""
+    return {"voice": args.voice, "language": args.language, "instruct": args.instruct}
 
 
 def _add_voice(p: argparse.ArgumentParser) -> None:
