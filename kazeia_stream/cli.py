@@ -13,7 +13,6 @@ import os
 import signal
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,59 +120,24 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
     runtime = _runtime(args)
-    session = dict(**_voice(args), seed=args.seed, text_streaming=True)
+    session = dict(**_voice(args), seed=args.seed)
     if args.pipe:
-        return trio.run(functools.partial(live.pipe, runtime, args.format, **session))
-    if args.output:
-        return write_file(runtime, args)
-    return trio.run(
-        functools.partial(live.speak_live, runtime, args.text, device=_device(args.device), **session)
-    )
+        mode = functools.partial(live.pipe, runtime, args.format, text_streaming=True, **session)
+    elif args.output:
+        streaming = args.text_streaming
+        mode = functools.partial(
+            live.write_file, runtime, args.text, args.output, text_streaming=streaming, **session
+        )
+    else:
+        device = _device(args.device)
+        mode = functools.partial(
+            live.speak_live, runtime, args.text, device=device, text_streaming=True, **session
+        )
+    return trio.run(mode)
 
 
 def _device(device: str | None) -> str | int | None:
     return int(device) if device is not None and device.isdigit() else device
-
-
-def write_file(runtime: Runtime, args: argparse.Namespace) -> int:
-    """Offline synthesis into a file, frame by frame, with a progress line on a terminal."""
-    from .audio_file import AudioFileWriter
-    from .engine.frames import GenerationOptions
-
-    rate = runtime.model.sample_rate
-    pcm = runtime.audio(
-        args.text,
-        **_voice(args),
-        text_streaming=args.text_streaming,
-        options=GenerationOptions(seed=args.seed),
-    )
-    progress = Progress(rate)
-    with AudioFileWriter(args.output, rate) as out:  # a bad target fails before any work
-        for chunk in pcm:
-            out.write(chunk)
-            progress.update(out.frames)
-    progress.close(f"wrote {args.output}: {out.frames / rate:.2f} s")
-    return 0
-
-
-class Progress:
-    """One self-rewriting status line on a terminal's stderr; nothing in a pipe."""
-
-    def __init__(self, sample_rate: int) -> None:
-        self.sample_rate = sample_rate
-        self.enabled = sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def update(self, samples: int) -> None:
-        if self.enabled:
-            audio = samples / self.sample_rate
-            rtf = (time.perf_counter() - self.start) / max(audio, 1e-9)
-            print(f"\r{audio:6.2f} s of audio, {rtf:4.2f}x real time ", end="", file=sys.stderr, flush=True)
-
-    def close(self, message: str) -> None:
-        if self.enabled:
-            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
-        log.info("%s", message)
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""The CLI's two live modes: speaking through the sound card, and `--pipe` (text in, PCM out)."""
+"""The CLI's modes, each through a session (the decoder overlapping the generator): speaking
+through the sound card, `--pipe` (text in, PCM out) and `-o` (a file)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import codecs
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 
+from .audio_file import AudioFileWriter
 from .engine.frames import frame_cap
 from .errors import EmptyTextError, OutputError, UsageError
 from .runtime import Runtime
@@ -40,6 +43,40 @@ async def speak_live(runtime: Runtime, text: str, *, device: str | int | None, *
                 player.underruns,
             )
     return 0
+
+
+async def write_file(runtime: Runtime, text: str, path: str, **session: Any) -> int:
+    """Write the speech of `text` into a file as it is produced, with a progress line on a
+    terminal."""
+    rate = runtime.model.sample_rate
+    progress = Progress(rate)
+    with AudioFileWriter(path, rate) as out:  # a bad target fails before any work
+        async with runtime.open(**session) as tts:
+            async for chunk in tts.speak(text):
+                out.write(chunk.pcm)
+                progress.update(out.frames)
+    progress.close(f"wrote {path}: {out.frames / rate:.2f} s")
+    return 0
+
+
+class Progress:
+    """One self-rewriting status line on a terminal's stderr; nothing in a pipe."""
+
+    def __init__(self, sample_rate: int) -> None:
+        self.sample_rate = sample_rate
+        self.enabled = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, samples: int) -> None:
+        if self.enabled:
+            audio = samples / self.sample_rate
+            rtf = (time.perf_counter() - self.start) / max(audio, 1e-9)
+            print(f"\r{audio:6.2f} s of audio, {rtf:4.2f}x real time ", end="", file=sys.stderr, flush=True)
+
+    def close(self, message: str) -> None:
+        if self.enabled:
+            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+        log.info("%s", message)
 
 
 LINE_BUFFER = 16  # lines waiting while the current one is spoken

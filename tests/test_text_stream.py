@@ -53,7 +53,7 @@ def test_streaming_prompt_equals_the_whole_text_prompt(model):
     assert np.array_equal(first.prefill, whole.prefill)
     assert np.array_equal(feed.trailing, whole.trailing)  # the text rows, then EOS
     n = len(whole.trailing)
-    assert np.array_equal(feed.row(n - 1), model.text_embeddings([model.config.text_ids.tts_eos])[0])
+    assert np.array_equal(feed.row(n - 1), whole.trailing[-1]) and np.array_equal(feed.row(n - 1), feed.eos)
     assert np.array_equal(feed.row(n), model.pad_embedding)  # then PAD, for ever
     assert np.array_equal(feed.row(n + 50), model.pad_embedding)
     assert feed.n_tokens == len(ids) == whole.n_text_tokens

@@ -185,10 +185,6 @@ class Model:
             text_complete=text_complete,
         )
 
-    def text_embeddings(self, ids: list[int]) -> np.ndarray:
-        """Rows T(id) of text tokens [n, H], as trailing text."""
-        return self._rows.text(ids)
-
     def count_tokens(self, text: str) -> int:
         """Text tokens of `text` as its prompt holds them."""
         return len(self._tokens(text)[1])
