@@ -22,10 +22,10 @@ from .errors import OutputError, UsageError
 
 def _target(path: Path) -> Path:
     """The file to write: the target itself, or the file a symlink points to."""
-    real = path.resolve() if path.is_symlink() else path
-    if real.exists() and not real.is_file():
-        what = "a folder" if real.is_dir() else "not a regular file"
+    if path.exists() and not path.is_file():  # both follow a symlink to what it points to
+        what = "a folder" if path.is_dir() else "not a regular file"
         raise UsageError(f"{path}: {what}; -o writes a new file or replaces one")
+    real = path.resolve() if path.is_symlink() else path
     folder = real.parent
     if not folder.is_dir():
         raise UsageError(f"{path}: no such folder {str(folder)!r}")

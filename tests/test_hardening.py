@@ -99,19 +99,23 @@ def test_a_published_pair_of_other_sizes_is_refused(tiny_gguf, tmp_path):
     assert rc == 1 and one_line(err, "are not a pair"), err
 
 
-@pytest.mark.parametrize("target", ["folder", "device", "no-folder", "raw"])
+@pytest.mark.parametrize("target", ["folder", "device", "link-to-stdout", "no-folder", "raw"])
 def test_only_a_regular_file_is_written(model, tmp_path, target):
     path = {
         "folder": tmp_path,
         "device": Path("/dev/null"),
+        "link-to-stdout": tmp_path / "link.wav",
         "no-folder": tmp_path / "missing" / "x.wav",
         "raw": tmp_path / "x.raw",
     }[target]
+    if target == "link-to-stdout":
+        path.symlink_to("/proc/self/fd/1")  # stdout is a pipe here
     start = time.perf_counter()
     rc, err, _ = run(LONG, "-o", str(path), "--model", model)
     assert rc == 1 and one_line(err, str(path)), err
     assert time.perf_counter() - start < 30  # found before the speech is generated
-    assert Path("/dev/null").is_char_device() and os.listdir(tmp_path) == []
+    assert Path("/dev/null").is_char_device()
+    assert os.listdir(tmp_path) == (["link.wav"] if target == "link-to-stdout" else [])
 
 
 def test_a_symlink_target_writes_the_file_it_points_to(model, tmp_path):
