@@ -252,3 +252,20 @@ def test_why_libllama_refused_a_talker_shows_at_v(tiny_gguf, tmp_path):
     assert rc == 1 and one_line(err, "libllama could not load it"), err
     rc, err, _ = run("voices", "--model", folder, "-v")
     assert rc == 1 and "tensor 'blk.2.attn_norm.weight' not found" in err and "Traceback" not in err, err
+
+
+def test_a_folder_that_cannot_be_written_is_one_line(model, tmp_path):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere but into an immutable folder
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here")
+    else:
+        folder.chmod(0o555)
+    try:
+        rc, err, _ = run("Hi there.", "-o", str(folder / "x.wav"), "--model", model)
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+        folder.chmod(0o755)
+    assert rc == 1 and one_line(err, "cannot be written"), err
+    assert os.listdir(folder) == []
