@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import KazeiaError, UsageError
+from .errors import KazeiaError, UsageError, leaf
 from .stages.sinks import FORMATS
 
 if TYPE_CHECKING:
@@ -383,10 +383,7 @@ def _user_facing(exc: BaseException) -> BaseException | None:
         if isinstance(exc, kind):
             return exc
         if isinstance(exc, BaseExceptionGroup) and (group := exc.subgroup(kind)) is not None:
-            leaf: BaseException = group
-            while isinstance(leaf, BaseExceptionGroup):
-                leaf = leaf.exceptions[0]
-            return leaf
+            return leaf(group)
     return None
 
 

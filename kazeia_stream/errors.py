@@ -1,6 +1,14 @@
 """Errors a user can act on: each carries a one-line message naming what is wrong."""
 
 
+def leaf(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups, which trio's nurseries wrap
+    around everything that crosses them."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class KazeiaError(Exception):
     """Base class: the CLI prints these as one line and exits non-zero."""
 

@@ -26,6 +26,7 @@ import trio
 
 from .channels import AudioChunk, Frame, TextTokens, UtteranceMetrics
 from .engine.frames import GenerationOptions
+from .errors import leaf
 from .model.prompt import Prompt
 from .stages.decoder import decode_frames
 from .stages.generator import generate_frames
@@ -192,13 +193,6 @@ class Session:
             nursery.start_soon(
                 decode_frames, rt.codec, rt.cores, frame_recv, utt._send.clone(), utt.metrics, first_audio
             )
-
-
-def leaf(exc: BaseException) -> BaseException:
-    """The first real error inside (nested) exception groups."""
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 @contextmanager

@@ -167,8 +167,9 @@ def build_prompt(
     body_rows = emb.text(body_ids)
     if text_streaming:
         parts.append(body_rows[:1] + codec_rows[-1:])
-        feed = TextFeed(emb, text_ids)
-        feed.add(body_ids[1:], text_complete)
+        feed = TextFeed(emb, text_ids, body_rows[1:], len(body_ids) - 1)
+        if text_complete:
+            feed.add([], complete=True)  # the EOS row
         trailing = feed.trailing
     else:
         codec_pad = emb.codec([codec_ids.pad])
