@@ -60,6 +60,7 @@ _stub_modules()
 
 import torch  # noqa: E402
 from qwen_tts import Qwen3TTSModel  # noqa: E402
+from qwen_tts.core.models.modeling_qwen3_tts import mel_spectrogram  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
@@ -158,9 +159,52 @@ PROMPT_CASES = {
         ),
     ],
 }
+# Base models clone the voice of a recording (espeak-ng speech, 22.05 kHz: the encoders' input is
+# resampled to 24 kHz). "ref_text" None is the x-vector-only mode, a reference text ICL.
+REF_AUDIO = ROOT / "tests" / "data" / "voice" / "north_wind.wav"
+REF_TEXT = "The north wind and the sun were disputing which was the stronger."
+PROMPT_CASES["base"] = [
+    dict(
+        name="xvector_english_streaming",
+        text="Hello, world. This is a test.",
+        ref_text=None,
+        language="english",
+        non_streaming=False,
+    ),
+    dict(
+        name="xvector_auto_non_streaming",
+        text="Hello, world. This is a test.",
+        ref_text=None,
+        language="auto",
+        non_streaming=True,
+    ),
+    dict(
+        name="icl_english_streaming_short",  # text rows fewer than the reference frames
+        text="Hello, world. This is a test.",
+        ref_text=REF_TEXT,
+        language="english",
+        non_streaming=False,
+    ),
+    dict(
+        name="icl_auto_streaming_long",  # more text rows than reference frames: trailing text
+        text="On 2024-03-15 at 3:45 p.m., Dr. Müller paid $1,234.56 for a café crème; naïve? "
+        "Perhaps, but 99.9% of résumés say so, and the rest of them are written by people who "
+        "have never once been asked about it, which is a shame.",
+        ref_text=REF_TEXT,
+        language="auto",
+        non_streaming=False,
+    ),
+    dict(
+        name="icl_english_non_streaming",
+        text="Hello, world. This is a test.",
+        ref_text=REF_TEXT,
+        language="english",
+        non_streaming=True,
+    ),
+]
 # Teacher-forced talker references use this case of each kind (streaming: its trailing text is
 # shorter than the code sequence, so the PAD branch of the decode loop is exercised too).
-TALKER_CASE = {"custom_voice": 0, "voice_design": 0}
+TALKER_CASE = {"custom_voice": 0, "voice_design": 0, "base": 2}
 TALKER_FRAMES = 12
 
 TOKENIZER_SENTENCES = [
@@ -258,10 +302,19 @@ def patched(obj, name: str, make_wrapper):
         delattr(obj, name)
 
 
-def synthesize(tts: Qwen3TTSModel, case: dict) -> None:
-    """Call the official public API the way a user would."""
-    if tts.model.tts_model_type == "custom_voice":
-        tts.generate_custom_voice(
+def synthesize(tts: Qwen3TTSModel, case: dict) -> np.ndarray:
+    """Call the official public API the way a user would; the audio it returns."""
+    if tts.model.tts_model_type == "base":
+        wavs, _ = tts.generate_voice_clone(
+            text=case["text"],
+            language=case["language"],
+            ref_audio=str(REF_AUDIO),
+            ref_text=case["ref_text"],
+            x_vector_only_mode=case["ref_text"] is None,
+            non_streaming_mode=case["non_streaming"],
+        )
+    elif tts.model.tts_model_type == "custom_voice":
+        wavs, _ = tts.generate_custom_voice(
             text=case["text"],
             speaker=case["voice"],
             language=case["language"],
@@ -269,12 +322,13 @@ def synthesize(tts: Qwen3TTSModel, case: dict) -> None:
             non_streaming_mode=case["non_streaming"],
         )
     else:
-        tts.generate_voice_design(
+        wavs, _ = tts.generate_voice_design(
             text=case["text"],
             instruct=case["instruct"] or "",
             language=case["language"],
             non_streaming_mode=case["non_streaming"],
         )
+    return wavs[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +347,11 @@ def capture_prompt(tts: Qwen3TTSModel, case: dict) -> dict[str, np.ndarray]:
     def outer(original):
         def generate(**kwargs):
             seen["input_ids"] = kwargs["input_ids"][0][0]
-            instruct = kwargs["instruct_ids"][0]
+            none = [None]
+            instruct = (kwargs.get("instruct_ids") or none)[0]
             seen["instruct_ids"] = instruct[0] if instruct is not None else torch.zeros(0, dtype=torch.long)
+            ref = (kwargs.get("ref_ids") or none)[0]
+            seen["ref_ids"] = ref[0] if ref is not None else torch.zeros(0, dtype=torch.long)
             return original(**kwargs)
 
         return generate
@@ -319,6 +376,7 @@ def capture_prompt(tts: Qwen3TTSModel, case: dict) -> dict[str, np.ndarray]:
         "trailing": seen["trailing"].float().numpy(),
         "input_ids": seen["input_ids"].numpy().astype(np.int64),
         "instruct_ids": seen["instruct_ids"].numpy().astype(np.int64),
+        "ref_ids": seen["ref_ids"].numpy().astype(np.int64),
     }
 
 
@@ -388,7 +446,7 @@ def teacher_forced(tts: Qwen3TTSModel, case: dict, codes: np.ndarray) -> dict[st
         patched(talker_module, "generate", talker),
         patched(talker_module.code_predictor, "generate", predictor),
     ):
-        synthesize(tts, case)
+        audio = synthesize(tts, case)
 
     result = record["talker"]
     # Step k of HF generate: k = 0 is the prefill; k >= 1 fed frame k-1. The last step's token
@@ -404,6 +462,7 @@ def teacher_forced(tts: Qwen3TTSModel, case: dict, codes: np.ndarray) -> dict[st
         "talker_logits": talker_logits.float().numpy(),
         "talker_hidden": talker_hidden.float().numpy(),
         "cp_logits": torch.stack(record["cp_logits"]).float().numpy(),
+        "audio": np.asarray(audio, dtype=np.float32),
     }
 
 
@@ -419,6 +478,63 @@ def talker_refs(ck: Checkpoint, rng: np.random.Generator) -> dict[str, np.ndarra
         prefill=prompt["prefill"],
         trailing=prompt["trailing"],
         **teacher_forced(ck.tts, case, codes),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoders (Base): what create_voice_clone_prompt feeds them and what they return
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def encoder_refs(ck: Checkpoint) -> dict[str, np.ndarray]:
+    """The 24 kHz samples, log-mel, x-vector and reference codes of REF_AUDIO, captured inside the
+    official create_voice_clone_prompt (which resamples with librosa for both encoders)."""
+    model = ck.tts.model
+    seen: dict[str, np.ndarray] = {}
+
+    def speaker(original):
+        def extract(audio, sr):
+            seen["ref_wav_24k"] = np.asarray(audio, dtype=np.float32).copy()
+            mel = mel_spectrogram(
+                torch.from_numpy(audio).unsqueeze(0),
+                n_fft=1024,
+                num_mels=128,
+                sampling_rate=24000,
+                hop_size=256,
+                win_size=1024,
+                fmin=0,
+                fmax=12000,
+            ).transpose(1, 2)
+            seen["mel"] = mel[0].numpy()
+            return original(audio=audio, sr=sr)
+
+        return extract
+
+    def codec(original):
+        def encode(input_values, padding_mask=None, return_dict=None):
+            seen["codec_input"] = input_values[0].numpy().copy()
+            return original(input_values, padding_mask, return_dict=return_dict)
+
+        return encode
+
+    with (
+        patched(model, "extract_speaker_embedding", speaker),
+        patched(model.speech_tokenizer.model, "encode", codec),
+    ):
+        (item,) = ck.tts.create_voice_clone_prompt(ref_audio=str(REF_AUDIO), ref_text=REF_TEXT)
+    wav = seen["ref_wav_24k"]
+    # both encoders get the same samples (the feature extractor pads nothing for one input)
+    assert np.array_equal(seen["codec_input"], wav), "the codec encoder saw other samples"
+    return dict(
+        ck.header(),
+        speech_tokenizer_sha256=np.array(ck.speech_sha256),
+        ref_audio_sha256=np.array(hashlib.sha256(REF_AUDIO.read_bytes()).hexdigest()),
+        ref_text=np.array(REF_TEXT),
+        ref_wav_24k=wav,
+        mel=seen["mel"],
+        x_vector=item.ref_spk_embedding.float().numpy(),
+        ref_codes=item.ref_code.numpy().astype(np.int64),
     )
 
 
@@ -557,10 +673,11 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng(1000 + ck.seed)
             if kind == "base":
                 save(args.out, f"convert_{kind}.npz", convert_refs(ck, rng))
-                continue
+                save(args.out, f"encoders_{kind}.npz", encoder_refs(ck))
             save(args.out, f"prompts_{kind}.npz", prompt_refs(ck))
             save(args.out, f"talker_{kind}.npz", talker_refs(ck, rng))
-            save(args.out, f"convert_{kind}.npz", convert_refs(ck, rng))
+            if kind != "base":
+                save(args.out, f"convert_{kind}.npz", convert_refs(ck, rng))
             if kind == "custom_voice":
                 save(args.out, f"codec_{kind}.npz", codec_refs(ck, rng))
                 arrays, differ = tokenizer_refs(ck)
