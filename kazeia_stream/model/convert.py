@@ -7,7 +7,9 @@ purpose:
 
 - the pre-tokenizer is written as `qwen2` directly (llama.cpp's converter refuses vocabularies
   whose hash it does not know);
-- the codec decoder (`a.gen.wav.*`) stays F32 whatever the type;
+- the codec decoder (`a.gen.wav.*`) and the speaker encoder stay F32 whatever the type;
+- Base models also get the codec encoder (`kazeia.enc.*`, F32), which llama.cpp does not convert:
+  in-context cloning needs it to turn the reference recording into codes;
 - a checkpoint without speaker encoder (CustomVoice, VoiceDesign) gets an mmproj without one
   (llama.cpp's converter assumes a Base model);
 - extra `kazeia.*` keys (see gguf_layout).
@@ -25,7 +27,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -40,11 +42,10 @@ from . import gguf_layout as L
 
 TYPES: dict[str, str] = {
     "f32": "everything F32 (lossless: the BF16 weights exactly)",
-    "f16": "talker and code-predictor matrices (incl. embeddings and heads) and speaker-encoder "
-    "kernels F16; norms, biases, the code predictor's ffn_down and the codec decoder F32",
-    "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; speaker-encoder "
-    "kernels F16 (kernel rows are too short for Q8_0 blocks); norms, biases, the code "
-    "predictor's ffn_down and the codec decoder F32",
+    "f16": "talker and code-predictor matrices (incl. embeddings and heads) F16; norms, biases, the "
+    "code predictor's ffn_down, the speaker encoder and the codec decoder and encoder F32",
+    "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; norms, biases, the "
+    "code predictor's ffn_down, the speaker encoder and the codec decoder and encoder F32",
 }
 _FILE_TYPES = {
     "f32": gguf.LlamaFileType.ALL_F32,
@@ -61,6 +62,11 @@ _DAC_RES_UNITS = 3  # residual units per codec decoder block (dilations 1, 3, 9)
 _SPK_NUM_MEL_BINS = 128
 _SPK_CHANNELS = 1536  # written as the clip "embedding" and "feed forward" sizes
 _SPK_EPS = 1e-5
+# transformers' MimiModel fixes its downsample conv (25 Hz -> 12.5 Hz) to stride 2 and replicate
+# padding whatever the config says.
+_MIMI_DOWNSAMPLE_STRIDE = 2
+_MIMI_DOWNSAMPLE_PAD_MODE = "replicate"
+_MIMI_CODEBOOK_EPS = 1e-5  # MimiEuclideanCodebook's epsilon: embed_sum / clamp(cluster_usage, eps)
 
 # Layer tensors: checkpoint suffix -> GGUF name.
 _TALKER_LAYER = {
@@ -101,6 +107,12 @@ _WAV_TFM_LAYER = {
     "mlp.up_proj.weight": L.WAV_TFM_FFN_UP,
     "mlp.down_proj.weight": L.WAV_TFM_FFN_DOWN,
     "mlp_layer_scale.scale": L.WAV_TFM_FFN_SCALE,
+}
+_ENC_TFM_LAYER = {  # the Mimi encoder transformer's linear layers, biases only if attention_bias
+    "self_attn.q_proj": L.ENC_TFM_ATTN_Q,
+    "self_attn.k_proj": L.ENC_TFM_ATTN_K,
+    "self_attn.v_proj": L.ENC_TFM_ATTN_V,
+    "self_attn.o_proj": L.ENC_TFM_ATTN_OUT,
 }
 _GENERATION_SOURCE = {"subtalker_do_sample": "subtalker_dosample"}  # our key -> generation_config.json
 
@@ -266,6 +278,11 @@ class _Checkpoint:
         self.codec = _SafeTensors(hf_dir / "speech_tokenizer" / "model.safetensors")
 
     @cached_property
+    def encoder(self) -> _Json:
+        """speech_tokenizer/config.json `encoder_config` (Mimi): read for Base models only."""
+        return self.codec_config.section("encoder_config")
+
+    @cached_property
     def fingerprint(self) -> str:
         """Which checkpoint this is, written into both files so that a talker and an mmproj of
         different checkpoints are refused together (any types of one checkpoint pair up): a
@@ -330,15 +347,25 @@ def _snake(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
 def _codebooks(st: _SafeTensors, src: str, n: int, dst: str) -> _Tensor:
     """The EMA codebooks of an RVQ: embedding_sum / clamp(cluster_usage, 1e-5); 2D when n == 1."""
     prefixes = [f"{src}.vq.layers.{i}._codebook" for i in range(n)]
-    shape = st.shape(prefixes[0] + ".embedding_sum")
+    return _ema_codebooks(st, prefixes, "embedding_sum", 1e-5, dst, stack=n > 1)
+
+
+def _ema_codebooks(
+    st: _SafeTensors, prefixes: list[str], sum_name: str, eps: float, dst: str, stack: bool = True
+) -> _Tensor:
+    """Codebooks kept as EMA sums, divided as the official modules do at load: `<prefix>.<sum_name>`
+    / clamp(`<prefix>.cluster_usage`, eps); [n, size, dim], or [size, dim] when not `stack`."""
+    shape = st.shape(f"{prefixes[0]}.{sum_name}")
+    for p in prefixes:
+        st.expect(f"{p}.{sum_name}", shape)
+        st.expect(f"{p}.cluster_usage", shape[:1])
 
     def chunks() -> Iterable[np.ndarray]:
         for p in prefixes:
-            st.expect(p + ".embedding_sum", shape)
             usage = st.read(p + ".cluster_usage")
-            yield st.read(p + ".embedding_sum") / np.maximum(usage, 1e-5)[:, None]
+            yield st.read(f"{p}.{sum_name}") / np.maximum(usage, eps)[:, None]
 
-    return _Tensor(dst, shape if n == 1 else (n, *shape), chunks)
+    return _Tensor(dst, (len(prefixes), *shape) if stack else shape, chunks)
 
 
 def _token_embd(ckpt: _Checkpoint) -> _Tensor:
@@ -459,6 +486,65 @@ def _codec_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     return tensors
 
 
+def _codec_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+    """The Mimi encoder (`encoder.*`) as transformers' MimiModel builds it from encoder_config:
+    SEANet convs, the transformer, the downsample conv, and the codebooks the official encode
+    keeps (the first `encoder_valid_num_quantizers`: semantic, then acoustic)."""
+    st, enc = ckpt.codec, ckpt.encoder
+    for key, supported in (("use_causal_conv", True), ("use_conv_shortcut", False), ("audio_channels", 1)):
+        if enc[key] != supported:
+            raise ModelFileError(
+                f"{enc.path}: unsupported {enc.where}{key} {enc[key]!r} (expected {supported!r})"
+            )
+    p = "encoder.encoder.layers."
+    tensors = _pair(st, p + "0.conv", L.ENC_CONV_IN)
+    index = 1  # MimiEncoder.layers: conv; per ratio: residual blocks, ELU, strided conv; ELU, conv
+    for bid in range(len(enc["upsampling_ratios"])):
+        for xid in range(enc["num_residual_layers"]):
+            ids = {"bid": bid, "xid": xid}
+            tensors += [
+                *_pair(st, f"{p}{index}.block.1.conv", L.ENC_RES_CONV1.format(**ids)),
+                *_pair(st, f"{p}{index}.block.3.conv", L.ENC_RES_CONV2.format(**ids)),
+            ]
+            index += 1
+        tensors += _pair(st, f"{p}{index + 1}.conv", L.ENC_DOWN_CONV.format(bid=bid))
+        index += 2
+    tensors += _pair(st, f"{p}{index + 1}.conv", L.ENC_CONV_OUT)
+    for bid in range(enc["num_hidden_layers"]):
+        lp = f"encoder.encoder_transformer.layers.{bid}."
+        tensors += _pair(st, lp + "input_layernorm", L.ENC_TFM_ATTN_NORM.format(bid=bid))
+        for src, dst in _ENC_TFM_LAYER.items():
+            parts = ("weight", "bias") if enc.get("attention_bias") else ("weight",)
+            tensors += [_copy(st, f"{lp}{src}.{s}", f"{dst.format(bid=bid)}.{s}") for s in parts]
+        tensors += [
+            _copy(st, lp + "self_attn_layer_scale.scale", L.ENC_TFM_ATTN_SCALE.format(bid=bid)),
+            *_pair(st, lp + "post_attention_layernorm", L.ENC_TFM_FFN_NORM.format(bid=bid)),
+            _copy(st, lp + "mlp.fc1.weight", L.ENC_TFM_FFN_UP.format(bid=bid)),
+            _copy(st, lp + "mlp.fc2.weight", L.ENC_TFM_FFN_DOWN.format(bid=bid)),
+            _copy(st, lp + "mlp_layer_scale.scale", L.ENC_TFM_FFN_SCALE.format(bid=bid)),
+        ]
+    tensors.append(_copy(st, "encoder.downsample.conv.weight", L.ENC_DOWNSAMPLE))
+
+    valid, semantic = ckpt.codec_config["encoder_valid_num_quantizers"], enc["num_semantic_quantizers"]
+    if not semantic < valid <= enc["num_quantizers"]:
+        raise ModelFileError(
+            f"{ckpt.codec_config.path}: encoder_valid_num_quantizers {valid} is not between "
+            f"num_semantic_quantizers {semantic} (excluded) and num_quantizers {enc['num_quantizers']}"
+        )
+    has_proj = enc["vector_quantization_hidden_dimension"] != enc["hidden_size"]  # as MimiModel decides
+    q = "encoder.quantizer."
+    for part, n, proj, cb in (
+        ("semantic", semantic, L.ENC_QUANT_SEMANTIC_IN, L.ENC_QUANT_SEMANTIC_CB),
+        ("acoustic", valid - semantic, L.ENC_QUANT_ACOUSTIC_IN, L.ENC_QUANT_ACOUSTIC_CB),
+    ):
+        rvq = f"{q}{part}_residual_vector_quantizer."
+        if has_proj:
+            tensors.append(_squeezed(st, rvq + "input_proj.weight", proj))
+        prefixes = [f"{rvq}layers.{i}.codebook" for i in range(n)]
+        tensors.append(_ema_codebooks(st, prefixes, "embed_sum", _MIMI_CODEBOOK_EPS, cb))
+    return tensors
+
+
 def _speaker_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     st, se = ckpt.weights, "speaker_encoder."
     tensors = _pair(st, se + "blocks.0.conv", L.SPK_STEM)
@@ -472,13 +558,15 @@ def _speaker_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
             *_pair(st, blk + "se_block.conv1", L.SPK_SE_CONV1.format(bid=bid)),
             *_pair(st, blk + "se_block.conv2", L.SPK_SE_CONV2.format(bid=bid)),
         ]
-    return [
-        *tensors,
+    tensors += [
         *_pair(st, se + "mfa.conv", L.SPK_MFA),
         *_pair(st, se + "asp.tdnn.conv", L.SPK_ASP_TDNN),
         *_pair(st, se + "asp.conv", L.SPK_ASP_CONV),
         *_pair(st, se + "fc", L.SPK_FC),
     ]
+    # F32 whatever the type (ours; llama.cpp writes F16 kernels): 9 M parameters (12 M on the
+    # 1.7B) that run once per voice, so exactness costs 18-24 MB of file and no time
+    return [replace(t, keep_f32=True) for t in tensors]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -604,7 +692,7 @@ def _mmproj_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, lis
     has_spkenc = ckpt.kind == "base"
     tensors = _code_predictor_tensors(ckpt) + _codec_tensors(ckpt)
     if has_spkenc:
-        tensors += _speaker_encoder_tensors(ckpt)
+        tensors += _speaker_encoder_tensors(ckpt) + _codec_encoder_tensors(ckpt)
     w = gguf.GGUFWriter(None, L.MMPROJ_ARCH)
     _add_general(w, ckpt, "mmproj", out_type, tensors)
     hidden = ckpt.talker["hidden_size"]
@@ -639,7 +727,21 @@ def _mmproj_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, lis
     w.add_float32(L.KEY_CP_ROPE_THETA, cp["rope_theta"])
     w.add_uint32(L.KEY_CP_VOCAB_SIZE, cp["vocab_size"])
     w.add_uint32(L.KEY_CP_NUM_CODE_GROUPS, cp["num_code_groups"])
+    if has_spkenc:
+        _add_codec_encoder_keys(w, ckpt)
     return w, tensors
+
+
+def _add_codec_encoder_keys(w: gguf.GGUFWriter, ckpt: _Checkpoint) -> None:
+    """What the codec encoder needs beside its tensor shapes (`kazeia.codec_encoder.*`)."""
+    enc = ckpt.encoder
+    for key, typ in L.CODEC_ENCODER_KEYS.items():
+        _add_typed(w, L.KEY_ENC_PREFIX + key, typ(enc[key]))
+    w.add_array(L.KEY_ENC_UPSAMPLING_RATIOS, [int(r) for r in enc["upsampling_ratios"]])
+    w.add_uint32(L.KEY_ENC_VALID_QUANTIZERS, ckpt.codec_config["encoder_valid_num_quantizers"])
+    w.add_uint32(L.KEY_ENC_FRAME_SIZE, ckpt.codec_config["encode_downsample_rate"])
+    w.add_uint32(L.KEY_ENC_DOWNSAMPLE_STRIDE, _MIMI_DOWNSAMPLE_STRIDE)
+    w.add_string(L.KEY_ENC_DOWNSAMPLE_PAD_MODE, _MIMI_DOWNSAMPLE_PAD_MODE)
 
 
 def _add_general(
@@ -658,8 +760,10 @@ def _add_general(
     w.add_string(L.KEY_CHECKPOINT_ID, ckpt.fingerprint)
 
 
-def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float) -> None:
-    if isinstance(value, bool):
+def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float | str) -> None:
+    if isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
         w.add_uint32(key, value)
@@ -668,9 +772,9 @@ def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float) -> None:
 
 
 def _ggml_type(t: _Tensor, out_type: str) -> QType:
-    """llama.cpp's rules: vectors F32; the codec decoder and forced tensors F32 (ours); rows that
-    are not whole Q8_0 blocks fall back to F16."""
-    if out_type == "f32" or len(t.shape) < 2 or t.keep_f32 or t.name.startswith(L.WAV_PREFIX):
+    """llama.cpp's rules: vectors F32; the codec decoder and encoder, the speaker encoder and
+    forced tensors F32 (ours); rows that are not whole Q8_0 blocks fall back to F16."""
+    if out_type == "f32" or len(t.shape) < 2 or t.keep_f32 or t.name.startswith((L.WAV_PREFIX, L.ENC_PREFIX)):
         return QType.F32
     if out_type == "q8_0" and t.shape[-1] % gguf.GGML_QUANT_SIZES[QType.Q8_0][0] == 0:
         return QType.Q8_0

@@ -207,3 +207,54 @@ SPK_MFA = "a.conv_out"
 SPK_ASP_TDNN = "a.asp_tdnn"
 SPK_ASP_CONV = "a.asp_attn"
 SPK_FC = "mm.a.fc"
+
+# --- mmproj: codec encoder (ours; llama.cpp has none) ---
+# The Mimi encoder of speech_tokenizer/model.safetensors (`encoder.*`), which turns a reference
+# recording into codes for in-context cloning (Base models only). Always F32. Kernels keep their
+# [out, in, k]; 1x1 projections are matrices; the codebooks are already divided by their cluster
+# usage. Only the codebooks the official encode keeps (`valid_num_quantizers`) are written.
+ENC_PREFIX = "kazeia.enc."
+ENC_CONV_IN = "kazeia.enc.conv_in"  # encoder.encoder.layers.0
+ENC_RES_CONV1 = "kazeia.enc.blk.{bid}.res.{xid}.conv1"  # residual kernel, dim -> dim / compress
+ENC_RES_CONV2 = "kazeia.enc.blk.{bid}.res.{xid}.conv2"  # k=1, back to dim
+ENC_DOWN_CONV = "kazeia.enc.blk.{bid}.down"  # k = 2 * ratio, stride ratio, dim -> 2 * dim
+ENC_CONV_OUT = "kazeia.enc.conv_out"  # -> the transformer's width
+ENC_TFM_ATTN_NORM = "kazeia.enc.tfm.blk.{bid}.ln1"  # LayerNorm
+ENC_TFM_ATTN_Q = "kazeia.enc.tfm.blk.{bid}.attn_q"  # .weight, and .bias if attention_bias
+ENC_TFM_ATTN_K = "kazeia.enc.tfm.blk.{bid}.attn_k"
+ENC_TFM_ATTN_V = "kazeia.enc.tfm.blk.{bid}.attn_v"
+ENC_TFM_ATTN_OUT = "kazeia.enc.tfm.blk.{bid}.attn_out"
+ENC_TFM_ATTN_SCALE = "kazeia.enc.tfm.blk.{bid}.ls1.weight"
+ENC_TFM_FFN_NORM = "kazeia.enc.tfm.blk.{bid}.ln2"  # LayerNorm
+ENC_TFM_FFN_UP = "kazeia.enc.tfm.blk.{bid}.ffn_up.weight"  # mlp.fc1, no bias
+ENC_TFM_FFN_DOWN = "kazeia.enc.tfm.blk.{bid}.ffn_down.weight"  # mlp.fc2, no bias
+ENC_TFM_FFN_SCALE = "kazeia.enc.tfm.blk.{bid}.ls2.weight"
+ENC_DOWNSAMPLE = "kazeia.enc.downsample.weight"  # Conv1d [hidden, hidden, k], no bias
+ENC_QUANT_SEMANTIC_IN = "kazeia.enc.quant.semantic.in_proj.weight"  # absent when no projection
+ENC_QUANT_SEMANTIC_CB = "kazeia.enc.quant.semantic.codebook.weight"  # [n, size, dim]
+ENC_QUANT_ACOUSTIC_IN = "kazeia.enc.quant.acoustic.in_proj.weight"
+ENC_QUANT_ACOUSTIC_CB = "kazeia.enc.quant.acoustic.codebook.weight"  # [valid - semantic, size, dim]
+KEY_ENC_PREFIX = "kazeia.codec_encoder."  # + a CODEC_ENCODER_KEYS key
+CODEC_ENCODER_KEYS: dict[str, type] = {  # speech_tokenizer/config.json encoder_config; type
+    "sampling_rate": int,
+    "kernel_size": int,
+    "last_kernel_size": int,
+    "residual_kernel_size": int,
+    "dilation_growth_rate": int,
+    "compress": int,
+    "num_residual_layers": int,
+    "pad_mode": str,
+    "hidden_act": str,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "norm_eps": float,
+    "rope_theta": float,
+    "sliding_window": int,
+    "num_semantic_quantizers": int,
+}
+KEY_ENC_UPSAMPLING_RATIOS = KEY_ENC_PREFIX + "upsampling_ratios"  # int array; applied reversed
+KEY_ENC_VALID_QUANTIZERS = KEY_ENC_PREFIX + "valid_num_quantizers"  # encoder_valid_num_quantizers
+KEY_ENC_FRAME_SIZE = KEY_ENC_PREFIX + "frame_size"  # encode_downsample_rate: samples per code frame
+KEY_ENC_DOWNSAMPLE_STRIDE = KEY_ENC_PREFIX + "downsample_stride"  # fixed by transformers' MimiModel
+KEY_ENC_DOWNSAMPLE_PAD_MODE = KEY_ENC_PREFIX + "downsample_pad_mode"  # likewise
