@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 from .errors import EmptyTextError, KazeiaError, ModelFileError, OutputError, UsageError
 
 if TYPE_CHECKING:
+    from .cloning import voice_from_audio
     from .engine.threads import Threads
     from .model import Model, load_model
+    from .model.voice import Voice, VoiceLibrary
     from .runtime import Runtime
     from .session import Session, Utterance
 
@@ -26,6 +28,9 @@ _LAZY = {
     "Threads": ".engine.threads",
     "Session": ".session",
     "Utterance": ".session",
+    "Voice": ".model.voice",
+    "VoiceLibrary": ".model.voice",
+    "voice_from_audio": ".cloning",
 }
 
 __all__ = [
@@ -39,7 +44,10 @@ __all__ = [
     "Threads",
     "UsageError",
     "Utterance",
+    "Voice",
+    "VoiceLibrary",
     "load_model",
+    "voice_from_audio",
 ]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .engine.frames import GenerationOptions
+from .model.model import VoiceArg
 from .runtime import Runtime
 
 BENCH_TEXT = (
@@ -68,14 +69,14 @@ def median(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_pipeline_bench(
-    runtime: Runtime, frames: int, repeat: int = 1, seed: int = 0
+    runtime: Runtime, frames: int, repeat: int = 1, voice: VoiceArg = None, seed: int = 0
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The same figures measured through the actor pipeline (decoder overlapping the
-    generator), for `repeat` utterances in one session, plus each one's per-frame trace."""
+    generator), for `repeat` utterances in one session, plus each one's per-frame trace.
+    `voice` defaults to the model's first built-in speaker."""
     results, traces = [], []
-    async with runtime.open(
-        voice=runtime.model.default_voice, seed=seed, max_frames=frames, ignore_eos=True
-    ) as tts:
+    voice = voice or runtime.model.default_voice
+    async with runtime.open(voice=voice, seed=seed, max_frames=frames, ignore_eos=True) as tts:
         for _ in range(repeat):
             utterance = tts.speak(BENCH_TEXT)
             async for _chunk in utterance:
@@ -106,15 +107,16 @@ async def run_pipeline_bench(
     return results, traces
 
 
-def run_bench(runtime: Runtime, frames: int, seed: int = 0) -> dict[str, Any]:
+def run_bench(runtime: Runtime, frames: int, voice: VoiceArg = None, seed: int = 0) -> dict[str, Any]:
     """Run one utterance of `frames` frames and return the benchmark's figures."""
     model = runtime.model
-    runtime.prepare(runtime.probe(model.default_voice, "auto", None))  # as a session does
+    voice = voice or model.default_voice
+    runtime.prepare(runtime.probe(voice, "auto", None), voice)  # as a session does
     t_start = time.perf_counter()
-    prompt = model.prompt(BENCH_TEXT, voice=model.default_voice, text_streaming=True)
+    prompt = model.prompt(BENCH_TEXT, voice=voice, text_streaming=True)
     options = GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True)
     state = runtime.frames.start(prompt, model.text_feed(prompt), options, np.random.default_rng(seed))
-    decoder = runtime.codec.new_state()
+    decoder = runtime.decoder_state(voice)
     ttfa = decoder_s = 0.0
     samples = 0
     while (codes := runtime.frames.next_frame(state)) is not None:

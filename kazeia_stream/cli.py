@@ -21,6 +21,11 @@ from .errors import KazeiaError, UsageError, leaf
 from .stages.sinks import FORMATS
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from .model import Model
+    from .model.model import VoiceArg
+    from .model.voice import Voice
     from .runtime import Runtime
 
 log = logging.getLogger("kazeia_stream")
@@ -91,23 +96,58 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
-    from .model import load_model
+    from .model.voice import VoiceLibrary
 
-    model = load_model(_model_path(args))
+    model = _model(args)
     print(f"model: {model.kind} ({model.config.size}), {model.sample_rate} Hz")
-    print("voices: " + (", ".join(model.voices) or "(none: this model has no built-in speakers)"))
+    if model.kind == "base":
+        library = VoiceLibrary(args.voices)
+        saved = []
+        for name in library.names():
+            try:
+                voice = library.load(name)
+                model.check_voice(voice)
+                saved.append(f"{name} ({voice.mode}, {voice.ref_seconds:.1f} s)")
+            except UsageError:
+                continue  # made with a model of other widths, or unreadable
+        print(f"saved voices in {library.folder}: " + (", ".join(saved) or "(none yet)"))
+        print('make one: kazeia-stream voice create NAME --ref-audio FILE [--ref-text "what it says"]')
+    else:
+        print("voices: " + (", ".join(model.voices) or "(none: this model has no built-in speakers)"))
     print("languages: " + ", ".join(model.languages))
     return 0
 
 
-def _runtime(args: argparse.Namespace) -> Runtime:
-    """The model of --model and its engines, with --threads."""
-    from .engine.threads import Threads
+def cmd_voice_create(args: argparse.Namespace) -> int:
+    from .cloning import VoiceEncoders
+    from .model.voice import VoiceLibrary
+
+    library = VoiceLibrary(args.voices)
+    path = library.path(args.name)  # a bad name fails before any work
+    if path.exists() and not args.force:
+        raise UsageError(f"voice {args.name!r} exists ({path}); --force replaces it")
+    voice = VoiceEncoders(_model(args)).voice(args.ref_audio, ref_text=args.ref_text, name=args.name)
+    library.save(voice, args.name)
+    print(
+        f"saved voice {args.name!r} ({voice.mode}, {voice.ref_seconds:.1f} s of reference) to {path}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _model(args: argparse.Namespace) -> Model:
     from .model import load_model
+
+    return load_model(_model_path(args))
+
+
+def _runtime(args: argparse.Namespace, model: Model) -> Runtime:
+    """The engines of `model`, with --threads."""
+    from .engine.threads import Threads
     from .runtime import Runtime
 
     threads = Threads.uniform(args.threads) if args.threads is not None else None
-    return Runtime(load_model(_model_path(args)), threads)
+    return Runtime(model, threads)
 
 
 def cmd_speak(args: argparse.Namespace) -> int:
@@ -119,8 +159,9 @@ def cmd_speak(args: argparse.Namespace) -> int:
         raise UsageError("--pipe reads the text from stdin and writes PCM to stdout: no TEXT or -o")
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
-    runtime = _runtime(args)
-    session = dict(**_voice(args), seed=args.seed)
+    model = _model(args)
+    session = dict(**_voice(args, model), seed=args.seed)
+    runtime = _runtime(args, model)
     if args.pipe:
         mode = functools.partial(live.pipe, runtime, args.format, text_streaming=True, **session)
     elif args.output:
@@ -159,10 +200,40 @@ def _convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _voices_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("voices", help="list the speakers and languages of a model")
+    p = sub.add_parser("voices", help="list the speakers (or saved voices) and languages of a model")
     _add_model(p)
+    _add_voices_dir(p)
     p.set_defaults(func=cmd_voices)
     return p
+
+
+def _voice_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("voice", help="make a cloned voice (Base models) and save it by name")
+    actions = p.add_subparsers(dest="action", required=True)
+    create = actions.add_parser(
+        "create",
+        help="clone a voice from a recording",
+        description="Clone a voice from 1-30 s of speech (3-10 s is best) with a Base model and "
+        "save it as NAME in the voices folder. With --ref-text (what the recording says) the "
+        "voice clones in context (closest to the recording); without it by x-vector only.",
+    )
+    create.add_argument("name", metavar="NAME")
+    _add_model(create)
+    create.add_argument("--ref-audio", required=True, help="the recording (wav, flac, ogg, mp3...)")
+    create.add_argument("--ref-text", help="its transcript: in-context cloning")
+    _add_voices_dir(create)
+    create.add_argument("--force", action="store_true", help="replace a saved voice of that name")
+    _add_common(create)
+    create.set_defaults(func=cmd_voice_create)
+    return p
+
+
+def _add_voices_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--voices",
+        metavar="DIR",
+        help="folder of saved voices (default: $KAZEIA_VOICES or ~/.local/share/kazeia-stream/voices)",
+    )
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -170,8 +241,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     from .engine.dump import dump
 
-    runtime = _runtime(args)
-    model = runtime.model
+    model = _model(args)
     codec = model.config.codec
     try:
         codes = np.load(args.codes, allow_pickle=False)
@@ -189,18 +259,40 @@ def cmd_dump(args: argparse.Namespace) -> int:
         )
     if codes.min() < 0 or codes.max() >= codec.codebook_size:
         raise UsageError(f"{args.codes}: codes must be between 0 and {codec.codebook_size - 1}")
-    prompt = model.prompt(args.text, **_voice(args), text_streaming=args.text_streaming)
+    extras: dict[str, np.ndarray] = {}
+    if args.ref_audio is not None:
+        voice, extras = _clone_for_dump(args, model)
+        settings = {"voice": voice, "language": args.language, "instruct": args.instruct}
+    else:
+        settings = _voice(args, model)
+    prompt = model.prompt(args.text, **settings, text_streaming=args.text_streaming)
+    runtime = _runtime(args, model)
     arrays = dump(
         runtime.talker,
         runtime.code_predictor,
         runtime.codec,
+        lambda: runtime.decoder_state(settings["voice"]),
         prompt,
         model.text_feed(prompt),
         codes,
         args.chunk,
     )
-    np.savez(args.out, allow_pickle=False, **arrays)
+    np.savez(args.out, allow_pickle=False, **arrays, **extras)
     return 0
+
+
+def _clone_for_dump(args: argparse.Namespace, model: Model) -> tuple[Voice, dict[str, np.ndarray]]:
+    """The voice of --ref-audio/--ref-text and what the encoders saw and gave: ref_wav_24k,
+    mel, x_vector and (in context) ref_codes."""
+    from .cloning import VoiceEncoders
+    from .model.reference import read_reference
+
+    ref = read_reference(args.ref_audio, None, model.sample_rate)
+    voice, mel = VoiceEncoders(model).encode(ref, args.ref_text)
+    arrays = {"ref_wav_24k": ref.samples, "mel": mel, "x_vector": voice.x_vector}
+    if voice.ref_codes is not None:
+        arrays["ref_codes"] = voice.ref_codes
+    return voice, arrays
 
 
 def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -208,11 +300,14 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "dump",
         help="teacher-forced outputs of every engine, for parity checks",
         description="Write prefill, trailing, talker_logits, talker_hidden, cp_logits, "
-        "audio and audio_streamed for a prompt and a code sequence to an .npz file.",
+        "audio and audio_streamed for a prompt and a code sequence to an .npz file (with "
+        "--ref-audio also ref_wav_24k, mel, x_vector, and with --ref-text ref_codes; audio is "
+        "then what follows the reference).",
     )
     _add_model(p)
     p.add_argument("--text", required=True)
     _add_voice(p)
+    _add_cloning(p)
     p.add_argument(
         "--text-streaming",
         action=argparse.BooleanOptionalAction,
@@ -230,13 +325,15 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import median, run_bench
 
-    runtime = _runtime(args)
+    model = _model(args)
+    voice = _voice(args, model)["voice"]
+    runtime = _runtime(args, model)
     if args.pipeline:
         import trio
 
         from .bench import run_pipeline_bench
 
-        results, traces = trio.run(run_pipeline_bench, runtime, args.frames, args.repeat)
+        results, traces = trio.run(run_pipeline_bench, runtime, args.frames, args.repeat, voice)
         if args.trace:
             Path(args.trace).write_text(json.dumps(traces if args.repeat > 1 else traces[0]))
         result = median(results)
@@ -248,7 +345,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        results = [run_bench(runtime, args.frames) for _ in range(args.repeat)]
+        results = [run_bench(runtime, args.frames, voice) for _ in range(args.repeat)]
         result = median(results)
     if args.repeat > 1:
         ttfa = sorted(r["ttfa_s"] for r in results)
@@ -272,6 +369,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time to first audio, real-time factor, per-stage cost")
     _add_model(p)
+    _add_voice_name(p)
+    _add_cloning(p)
     p.add_argument(
         "--frames", type=_positive, default=40, help="frames to generate, EOS ignored (default 40)"
     )
@@ -299,20 +398,52 @@ def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
     "convert": _convert_parser,
     "voices": _voices_parser,
+    "voice": _voice_parser,
     "dump": _dump_parser,
     "bench": _bench_parser,
 }
 
 
-def _voice(args: argparse.Namespace) -> dict[str, Any]:
-    """--voice, --language and --instruct, as keyword arguments."""
-    return {"voice": args.voice, "language": args.language, "instruct": args.instruct}
+def _voice(args: argparse.Namespace, model: Model) -> dict[str, Any]:
+    """--voice (a built-in speaker, or a Base model's saved voice), or a voice cloned from
+    --ref-audio [--ref-text]; --language and --instruct; as keyword arguments."""
+    from .model.voice import VoiceLibrary
+
+    voice: VoiceArg = args.voice
+    ref_audio, ref_text = getattr(args, "ref_audio", None), getattr(args, "ref_text", None)
+    if ref_text is not None and ref_audio is None:
+        raise UsageError("--ref-text is the transcript of --ref-audio: give both")
+    if ref_audio is not None:
+        if args.voice is not None:
+            raise UsageError("--voice or --ref-audio, not both")
+        from .cloning import VoiceEncoders
+
+        voice = VoiceEncoders(model).voice(ref_audio, ref_text=ref_text)
+    elif args.voice is not None and model.kind == "base":
+        voice = VoiceLibrary(args.voices).load(args.voice)
+    return {
+        "voice": voice,
+        "language": getattr(args, "language", "auto"),
+        "instruct": getattr(args, "instruct", None),
+    }
 
 
 def _add_voice(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--voice", help="built-in speaker of a CustomVoice model (see `voices`)")
+    _add_voice_name(p)
     p.add_argument("--language", default="auto", help="language name, or auto (default)")
     p.add_argument("--instruct", help="a voice instruction (VoiceDesign, 1.7B CustomVoice)")
+
+
+def _add_voice_name(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--voice", help="built-in speaker (default: the first), or a saved voice (Base; see `voices`)"
+    )
+    _add_voices_dir(p)
+
+
+def _add_cloning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ref-audio", help="Base models: speak in the voice of this recording (1-30 s)")
+    p.add_argument("--ref-text", help="with --ref-audio: what it says (in-context cloning, closer)")
 
 
 def speak_parser() -> argparse.ArgumentParser:
@@ -335,6 +466,7 @@ def speak_parser() -> argparse.ArgumentParser:
     _add_threads(p)
     _add_model(p)
     _add_voice(p)
+    _add_cloning(p)
     p.add_argument("--seed", type=_at_least(0), help="random seed: the same seed gives the same audio")
     p.add_argument(
         "--text-streaming",

@@ -13,24 +13,30 @@ sessions (`open`) are its methods; the model below it only reads files.
 
 from __future__ import annotations
 
+import copy
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 import trio
 
+from .cloning import Audio, VoiceEncoders
 from .engine.code_predictor import CodePredictor
-from .engine.codec import CodecDecoder
+from .engine.codec import CodecDecoder, DecoderState
 from .engine.frames import FrameLoop, GenerationOptions, max_text_tokens
 from .engine.llm import LMOptions
 from .engine.talker import Talker, TalkerState
 from .engine.threads import SharedCores, Threads
 from .errors import EmptyTextError, UsageError
 from .model import Model
+from .model.model import VoiceArg
 from .model.prompt import Prompt
 from .model.segments import split_text
+from .model.voice import Voice
 from .session import Session, single_errors
 
 # A segment shorter than this many bytes could not hold a sentence: the instruction is too long.
@@ -54,6 +60,8 @@ class Runtime:
         self.codec = CodecDecoder(model.mmproj_file, self.threads.decoder)
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self._engines = threading.Lock()  # held by the utterance using the engines
+        # the decoder state after each in-context voice's reference frames
+        self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
         self._turns = trio.Lock()  # sessions queue here, in order, before taking the engines
         self._warm_up()
 
@@ -100,7 +108,7 @@ class Runtime:
 
     # -- prompts and segments ----------------------------------------------------------------
 
-    def probe(self, voice: str | None, language: str, instruct: str | None) -> Prompt:
+    def probe(self, voice: VoiceArg, language: str, instruct: str | None) -> Prompt:
         """A prompt of the session's settings: checks the voice and language, and holds the rows
         that every utterance of the session starts with."""
         return self.model.prompt("check", voice=voice, language=language, instruct=instruct)
@@ -108,18 +116,53 @@ class Runtime:
     def max_segment_bytes(self, probe: Prompt) -> int:
         """The longest segment of text (in UTF-8 bytes, at least as many as its tokens) whose
         utterance fits in the talker's context after the session's fixed rows."""
-        n = max_text_tokens(self.talker.n_ctx - probe.n_fixed)
+        fixed = len(probe.prefill) - 1  # all but its one text token: the reference of an ICL voice
+        n = max_text_tokens(self.talker.n_ctx - fixed)
         if n < MIN_SEGMENT_BYTES:
             raise UsageError(
-                f"the instruction takes {probe.n_fixed} of the talker's "
+                f"the instruction or the voice's reference takes {fixed} of the talker's "
                 f"{self.talker.n_ctx} positions, leaving no room for the text"
             )
         return n
 
-    def prepare(self, probe: Prompt) -> None:
+    def prepare(self, probe: Prompt, voice: VoiceArg = None) -> None:
         """Compute the rows that every utterance of a session starts with (instruction, role,
-        voice, language), so that even its first utterance only computes its text's rows."""
+        voice, language), so that even its first utterance only computes its text's rows, and
+        prime the decoder with an in-context voice's reference."""
         self.talker.prefill(TalkerState(), probe.prefill, probe.n_fixed)
+        self.decoder_state(voice)
+
+    def decoder_state(self, voice: VoiceArg) -> DecoderState:
+        """A decoder state to start an utterance from: a fresh one, or for an in-context voice
+        the state after its reference frames (decoded once per voice, on every core), so that
+        the first sample out is the first generated one. The official code decodes [reference
+        codes + generated codes] and cuts the reference's samples: the same samples."""
+        if not (isinstance(voice, Voice) and voice.ref_codes is not None):
+            return self.codec.new_state()
+        primed = self._primed.get(voice)
+        if primed is None:
+            primed = self.codec.new_state()
+            self.codec.push(primed, voice.ref_codes, self.threads.cores)
+            self._primed[voice] = primed
+        return copy.deepcopy(primed)
+
+    # -- voices --------------------------------------------------------------------------------
+
+    @cached_property
+    def encoders(self) -> VoiceEncoders:
+        """The model's speaker and codec encoders (Base models), built on first use."""
+        return VoiceEncoders(self.model)
+
+    def voice_from_audio(
+        self,
+        audio: Audio,
+        sample_rate: int | None = None,
+        ref_text: str | None = None,
+        name: str | None = None,
+    ) -> Voice:
+        """A cloned voice from a recording (a file, or samples at `sample_rate`): in-context
+        with its transcript `ref_text`, x-vector only without."""
+        return self.encoders.voice(audio, sample_rate, ref_text, name)
 
     # -- offline synthesis ---------------------------------------------------------------------
 
@@ -127,7 +170,7 @@ class Runtime:
         self,
         text: str,
         *,
-        voice: str | None = None,
+        voice: VoiceArg = None,
         language: str = "auto",
         instruct: str | None = None,
         text_streaming: bool = False,
@@ -146,7 +189,7 @@ class Runtime:
                     segment, voice=voice, language=language, instruct=instruct, text_streaming=text_streaming
                 )
                 state = self.frames.start(prompt, self.model.text_feed(prompt), options, rng)
-                decoder = self.codec.new_state()
+                decoder = self.decoder_state(voice)
                 while (codes := self.frames.next_frame(state)) is not None:
                     yield self.codec.push(decoder, codes[None])
 
@@ -154,7 +197,7 @@ class Runtime:
         self,
         text: str,
         *,
-        voice: str | None = None,
+        voice: VoiceArg = None,
         language: str = "auto",
         instruct: str | None = None,
         seed: int | None = None,
@@ -183,7 +226,7 @@ class Runtime:
     async def open(
         self,
         *,
-        voice: str | None = None,
+        voice: VoiceArg = None,
         language: str = "auto",
         instruct: str | None = None,
         text_streaming: bool = True,
@@ -196,7 +239,7 @@ class Runtime:
         probe = self.probe(voice, language, instruct)
         max_bytes = self.max_segment_bytes(probe)
         async with self.turn():
-            await trio.to_thread.run_sync(self.prepare, probe)
+            await trio.to_thread.run_sync(self.prepare, probe, voice)
         with single_errors():
             async with trio.open_nursery() as nursery:
                 session = Session(

@@ -33,6 +33,7 @@ from .stages.generator import generate_frames
 from .stages.text_feeder import feed_text
 
 if TYPE_CHECKING:
+    from .model.model import VoiceArg
     from .runtime import Runtime
 
 # Channel sizes. Text: token ids are tiny and an LLM may write faster than speech, so a deep
@@ -95,7 +96,7 @@ class Session:
         self,
         runtime: Runtime,
         nursery: trio.Nursery,
-        voice: str | None,
+        voice: VoiceArg,
         language: str,
         instruct: str | None,
         text_streaming: bool,
@@ -183,7 +184,7 @@ class Session:
                 self.model,
                 rt.frames,
                 make_prompt,
-                self.text_streaming,
+                self.model.text_needed(self.voice) if self.text_streaming else None,
                 utt.options,
                 text_recv,
                 frame_send,
@@ -191,7 +192,14 @@ class Session:
                 first_audio,
             )
             nursery.start_soon(
-                decode_frames, rt.codec, rt.cores, frame_recv, utt._send.clone(), utt.metrics, first_audio
+                decode_frames,
+                rt.codec,
+                lambda: rt.decoder_state(self.voice),
+                rt.cores,
+                frame_recv,
+                utt._send.clone(),
+                utt.metrics,
+                first_audio,
             )
 
 

@@ -6,11 +6,13 @@ gives for the same prompt and codes, so any two implementations can be compared 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..model.prompt import Prompt, TextFeed
 from .code_predictor import CodePredictor
-from .codec import CodecDecoder
+from .codec import CodecDecoder, DecoderState
 from .talker import Talker, TalkerState
 
 
@@ -36,16 +38,19 @@ def dump(
     talker: Talker,
     code_predictor: CodePredictor,
     codec: CodecDecoder,
+    new_state: Callable[[], DecoderState],
     prompt: Prompt,
     text: TextFeed,
     codes: np.ndarray,
     chunk: int,
 ) -> dict[str, np.ndarray]:
-    """Every array of `kazeia-stream dump`, keyed as in its output file."""
+    """Every array of `kazeia-stream dump`, keyed as in its output file. The audio is decoded
+    from `new_state()` (an in-context voice's: primed with its reference, so the audio is what
+    follows it), in one push and in pushes of `chunk` frames."""
     codes = np.asarray(codes, dtype=np.int64)
     talker_logits, talker_hidden = teacher_forced_talker(talker, code_predictor, prompt, text, codes)
     cp_logits = np.stack([code_predictor.teacher_forced_logits(h, c) for h, c in zip(talker_hidden, codes)])
-    state = codec.new_state()
+    state = new_state()
     streamed = np.concatenate([codec.push(state, codes[i : i + chunk]) for i in range(0, len(codes), chunk)])
     return {
         "prefill": prompt.prefill,
@@ -53,6 +58,6 @@ def dump(
         "talker_logits": talker_logits,
         "talker_hidden": talker_hidden,
         "cp_logits": cp_logits,
-        "audio": codec.decode(codes),
+        "audio": codec.push(new_state(), codes),
         "audio_streamed": streamed,
     }

@@ -167,9 +167,13 @@ class GGUFFile:
         row_bytes = shape[-1] // block * type_size
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(*shape[:-1], row_bytes))
 
-    def rows(self, name: str, ids: np.ndarray | list[int]) -> np.ndarray:
-        """Rows of a 2-D tensor as float32, dequantized if needed."""
-        data = self.raw(name)[np.asarray(ids, dtype=np.int64)]
+    def rows(self, name: str, ids: np.ndarray | list[int], table: int | None = None) -> np.ndarray:
+        """Rows of a 2-D tensor (or of table `table` of a 3-D one) as float32, dequantized if
+        needed."""
+        data = self.raw(name)
+        if table is not None:
+            data = data[table]
+        data = data[np.asarray(ids, dtype=np.int64)]
         qtype = self.tensor_type(name)
         if qtype in _PLAIN_DTYPES:
             return data.astype(np.float32)

@@ -20,14 +20,19 @@ from .prompt import (
     IM_START,
     ROLE_TOKENS,
     TAIL_TOKENS,
+    TURN_END,
+    TURN_END_TOKENS,
     USER,
-    USER_TAIL,
+    InContext,
     Prompt,
     TextFeed,
     build_prompt,
 )
 from .text_stream import IncrementalTokenizer
 from .tokenizer import Tokenizer
+from .voice import Voice
+
+VoiceArg = str | Voice | None
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +58,11 @@ def find_pair(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 class _TalkerRows:
-    """Row lookup in the talker's `token_embd`: text rows first, then the codec rows."""
+    """Row lookup in the talker's `token_embd` (text rows first, then the codec rows) and in the
+    code predictor's input tables (codebooks 1..15)."""
 
-    def __init__(self, talker: GGUFFile, text_vocab_size: int) -> None:
-        self._file = talker
+    def __init__(self, talker: GGUFFile, mmproj: GGUFFile, text_vocab_size: int) -> None:
+        self._file, self._mmproj = talker, mmproj
         self._offset = text_vocab_size
 
     def text(self, ids: list[int]) -> np.ndarray:
@@ -64,6 +70,14 @@ class _TalkerRows:
 
     def codec(self, ids: list[int]) -> np.ndarray:
         return self._file.rows(L.TALKER_TOKEN_EMBD, [self._offset + i for i in ids])
+
+    def frames(self, codes: np.ndarray) -> np.ndarray:
+        """The talker input of each frame [R, H]: C(codebook 0) + the sum of codebooks 1..15 in
+        the code predictor's tables, as the decode loop (and the official ICL prompt) builds it."""
+        rows = self.codec([int(c) for c in codes[:, 0]])
+        for group in range(1, codes.shape[1]):
+            rows += self._mmproj.rows(L.CP_EMBD, codes[:, group], table=group - 1)
+        return rows
 
 
 class Model:
@@ -85,7 +99,7 @@ class Model:
         self.config: ModelConfig = read_config(
             self.talker_file, self.mmproj_file, names, self.tokenizer.special_id
         )
-        self._rows = _TalkerRows(self.talker_file, self.config.talker.text_vocab_size)
+        self._rows = _TalkerRows(self.talker_file, self.mmproj_file, self.config.talker.text_vocab_size)
 
     @cached_property
     def pad_embedding(self) -> np.ndarray:
@@ -120,7 +134,7 @@ class Model:
         self,
         text: str,
         *,
-        voice: str | None = None,
+        voice: VoiceArg = None,
         language: str = "auto",
         instruct: str | None = None,
         text_streaming: bool = True,
@@ -139,7 +153,7 @@ class Model:
         self,
         text: str,
         *,
-        voice: str | None = None,
+        voice: VoiceArg = None,
         language: str = "auto",
         instruct: str | None = None,
         text_streaming: bool = True,
@@ -159,19 +173,19 @@ class Model:
         self,
         body_ids: list[int],
         *,
-        voice: str | None = None,
+        voice: VoiceArg = None,
         language: str = "auto",
         instruct: str | None = None,
         text_streaming: bool = True,
         text_complete: bool = True,
         role_ids: list[int] | None = None,
     ) -> Prompt:
-        """The prompt for text already tokenized (streaming text: only its first tokens)."""
-        speaker = self._resolve_voice(voice)
+        """The prompt for text already tokenized (streaming text: only its first tokens; an
+        in-context voice's streaming prompt takes `text_needed(voice)` of them, or all)."""
+        speaker, spk_row, reference = self._resolve_voice(voice)
         language_id = self._resolve_language(language, speaker)
         instruct_ids = self._instruct_ids(instruct)
         role_ids = role_ids or self._encode(IM_START + ASSISTANT)
-        spk_row = None if speaker is None else self._rows.codec([self.config.speakers[speaker]])[0]
         return build_prompt(
             self._rows,
             self.config.text_ids,
@@ -183,6 +197,45 @@ class Model:
             speaker=spk_row,
             text_streaming=text_streaming,
             text_complete=text_complete,
+            reference=reference,
+        )
+
+    def text_needed(self, voice: VoiceArg) -> int:
+        """Text tokens a streaming prompt needs before the first frame (unless the text ends
+        sooner): 1, or for an in-context voice as many as its reference frames outnumber its
+        transcript's tokens."""
+        reference = self._resolve_voice(voice)[2]
+        return 1 if reference is None else reference.text_needed()
+
+    def check_voice(self, voice: Voice) -> None:
+        """A cloned voice fits this model: a Base model of the same widths (a voice made with
+        another checkpoint of the same size works, with a warning)."""
+        cfg = self.config
+        if self.kind != "base":
+            raise UsageError(f"cloned voices need a Base model; this is a {self.kind} model")
+        if len(voice.x_vector) != cfg.talker.hidden_size:
+            raise UsageError(
+                f"voice {voice.name or ''!r} was made with a model of width {len(voice.x_vector)}; "
+                f"this one has {cfg.talker.hidden_size} (make the voice again with this model)"
+            )
+        if voice.ref_codes is not None and (
+            voice.ref_codes.shape[1] != cfg.codec.num_quantizers
+            or voice.ref_codes.min() < 0
+            or voice.ref_codes.max() >= cfg.codec.codebook_size
+        ):
+            raise UsageError(f"voice {voice.name or ''!r}: its reference codes do not fit this model's codec")
+        if voice.model and voice.model != self.identity:
+            log.warning(
+                "voice %r was made with another model (%s); it may sound different", voice.name, voice.model
+            )
+
+    @cached_property
+    def identity(self) -> str:
+        """Which checkpoint the files come from: our converter's id, else the file's name."""
+        return str(
+            self.talker_file.get(L.KEY_CHECKPOINT_ID)
+            or self.talker_file.get(L.KEY_NAME)
+            or self.talker_path.stem
         )
 
     def count_tokens(self, text: str) -> int:
@@ -227,15 +280,32 @@ class Model:
             raise UsageError("the text contains a codec control token such as <|codec_0|>")
         return ids
 
-    def _resolve_voice(self, voice: str | None) -> str | None:
+    def _resolve_voice(self, voice: VoiceArg) -> tuple[str | None, np.ndarray | None, InContext | None]:
+        """(built-in speaker name, the speaker row of the prompt, the in-context reference)."""
+        if isinstance(voice, Voice):
+            self.check_voice(voice)
+            reference = None
+            if voice.ref_codes is not None:
+                text_ids = self._turn(ASSISTANT, voice.ref_text or "", TURN_END)[ROLE_TOKENS:-TURN_END_TOKENS]
+                reference = InContext(text_ids, self._rows.frames(voice.ref_codes))
+            return None, voice.x_vector.astype(np.float32), reference
+        if self.kind == "base":
+            if voice is not None:
+                raise UsageError(
+                    f"a base model has no built-in voices (got {voice!r}); clone one from a recording"
+                )
+            raise UsageError(
+                "a base model speaks in a cloned voice: give a reference recording (--ref-audio FILE), "
+                "or make a voice once with `kazeia-stream voice create NAME --ref-audio FILE`"
+            )
         if self.kind != "custom_voice":
             if voice is not None:
                 raise UsageError(f"a {self.kind} model has no built-in voices (got {voice!r})")
-            return None
+            return None, None, None
         name = (voice or self.default_voice or "").lower()
         if name not in self.config.speakers:
             raise UsageError(f"unknown voice {voice!r}; this model has: {', '.join(self.voices)}")
-        return name
+        return name, self._rows.codec([self.config.speakers[name]])[0], None
 
     def _resolve_language(self, language: str, speaker: str | None) -> int | None:
         name = (language or "auto").lower()
@@ -254,7 +324,7 @@ class Model:
         if self.kind == "custom_voice" and self.config.size == "0b6":
             log.warning("the 0.6B CustomVoice model ignores instructions (as the official code does)")
             return None
-        return self._turn(USER, instruct, USER_TAIL)
+        return self._turn(USER, instruct, TURN_END)
 
 
 def _check_architecture(talker: GGUFFile, mmproj: GGUFFile) -> None:

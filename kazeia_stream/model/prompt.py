@@ -1,8 +1,10 @@
 """The talker's prompt: prefill embeddings and the text embeddings that trail behind them.
 
-This mirrors `Qwen3TTSForConditionalGeneration.generate` in the official package (non-ICL path).
-Every vector is a sum of rows of the talker's `token_embd`: text rows already carry the folded
-`text_projection`, codec rows follow the text vocabulary.
+This mirrors `Qwen3TTSForConditionalGeneration.generate` in the official package, with its
+`generate_icl_prompt` for in-context cloning. Every vector is a sum of rows of the talker's
+`token_embd` (text rows already carry the folded `text_projection`, codec rows follow the text
+vocabulary), of the code predictor's input tables (a reference frame's codebooks 1..15), or an
+x-vector.
 
 `TextFeed` is the one home of the streaming-text rule: which text row joins each generated
 frame's talker input, when PAD follows, when EOS closes the text.
@@ -36,6 +38,21 @@ class Prompt:
     n_text_tokens: int
     n_fixed: int
     text_complete: bool = True
+
+
+@dataclass(frozen=True)
+class InContext:
+    """An in-context (ICL) reference: its transcript's text tokens and the talker rows of its
+    frames [R, H] (each the sum of its 16 code embeddings)."""
+
+    text_ids: list[int]
+    frame_rows: np.ndarray
+
+    def text_needed(self) -> int:
+        """Text tokens a streaming prompt takes before the first frame, unless the text ends
+        sooner: the reference's text and frames are aligned row by row, the text to speak
+        continuing the transcript's tokens under the reference frames (and codec BOS)."""
+        return max(1, len(self.frame_rows) + 1 - len(self.text_ids))
 
 
 @dataclass(frozen=True)
@@ -109,14 +126,15 @@ class TextFeed:
         return np.stack(self.rows).astype(np.float32, copy=False)
 
 
-# The chat templates around the text to speak and a voice instruction (the official
-# `_build_assistant_text` and `_build_instruct_text`): "<|im_start|>" ROLE TEXT TAIL.
+# The chat templates around the text to speak, a reference transcript and a voice instruction
+# (the official `_build_assistant_text`, `_build_ref_text`, `_build_instruct_text`):
+# "<|im_start|>" ROLE TEXT TAIL.
 IM_START = "<|im_start|>"
 ASSISTANT, ASSISTANT_TAIL = "assistant\n", "<|im_end|>\n<|im_start|>assistant\n"
-USER, USER_TAIL = "user\n", "<|im_end|>\n"
-# The official code slices the assistant template's tokens: the first 3 are the role, the last 5
-# the tail, the rest the text.
-ROLE_TOKENS, TAIL_TOKENS = 3, 5
+USER, TURN_END = "user\n", "<|im_end|>\n"
+# The official code slices the templates' tokens: the first 3 are the role, the last 5 (the
+# text to speak) or 2 (a reference transcript) the tail, the rest the text.
+ROLE_TOKENS, TAIL_TOKENS, TURN_END_TOKENS = 3, 5, 2
 
 
 def build_prompt(
@@ -131,13 +149,16 @@ def build_prompt(
     speaker: np.ndarray | None,
     text_streaming: bool,
     text_complete: bool = True,
+    reference: InContext | None = None,
 ) -> Prompt:
     """The prompt: prefill [T, H] and trailing [N, H] rows.
 
     `role_ids` are the 3 tokens of "<|im_start|>assistant\n" and `body_ids` the text's tokens,
     as the official code slices the tokens of the assistant template; `speaker` is a codec row
     (CustomVoice) or an x-vector (Base). With `text_complete=False` (streaming text still
-    arriving) the trailing rows stop short of the closing EOS row.
+    arriving) the trailing rows stop short of the closing EOS row. A `reference` makes it the
+    in-context cloning prompt (its streaming form needs `reference.text_needed()` tokens, or
+    the whole text).
     """
     if not body_ids:
         raise ValueError("the text has no tokens to speak")
@@ -164,8 +185,22 @@ def build_prompt(
     parts += [emb.text(role_ids), control]
     n_fixed = sum(len(part) for part in parts)
 
-    body_rows = emb.text(body_ids)
-    if text_streaming:
+    if reference is not None:
+        tail, trailing, n_ref_fixed = _in_context(
+            emb,
+            reference,
+            body_ids,
+            codec_rows[-1],
+            pad,
+            eos,
+            emb.codec([codec_ids.pad])[0],
+            text_streaming,
+            text_complete,
+        )
+        parts.append(tail)
+        n_fixed += n_ref_fixed
+    elif text_streaming:
+        body_rows = emb.text(body_ids)
         parts.append(body_rows[:1] + codec_rows[-1:])
         feed = TextFeed(emb, text_ids, body_rows[1:], len(body_ids) - 1)
         if text_complete:
@@ -173,7 +208,7 @@ def build_prompt(
         trailing = feed.trailing
     else:
         codec_pad = emb.codec([codec_ids.pad])
-        parts.append(np.concatenate([body_rows, eos[None]]) + codec_pad)
+        parts.append(np.concatenate([emb.text(body_ids), eos[None]]) + codec_pad)
         parts.append(pad[None] + codec_rows[-1:])
         trailing = pad[None].copy()
     return Prompt(
@@ -183,3 +218,37 @@ def build_prompt(
         n_fixed,
         text_complete,
     )
+
+
+def _in_context(
+    emb: Embeddings,
+    reference: InContext,
+    body_ids: list[int],
+    codec_bos: np.ndarray,
+    pad: np.ndarray,
+    eos: np.ndarray,
+    codec_pad: np.ndarray,
+    text_streaming: bool,
+    text_complete: bool,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The official `generate_icl_prompt`: (prompt rows after the control block, trailing rows,
+    how many of those rows depend on the voice alone).
+
+    Text side Tx = [T(transcript ++ text), EOS once complete]; codec side Cx = [C(codec_bos),
+    reference frames]. Without streaming: Tx + C(codec_pad), then Cx + PAD, trailing [PAD].
+    Streaming: Tx and Cx summed row by row over Cx's length (Tx padded with PAD when shorter),
+    the rest of Tx trailing (or [PAD])."""
+    n_ref = len(reference.text_ids)
+    text = emb.text(reference.text_ids + body_ids)
+    if text_complete:
+        text = np.concatenate([text, eos[None]])
+    codec = np.concatenate([codec_bos[None], reference.frame_rows])
+    if not text_streaming:
+        rows = np.concatenate([text + codec_pad, codec + pad])
+        return rows, pad[None].copy(), n_ref
+    if len(text) > len(codec) or (len(text) == len(codec) and not text_complete):
+        return text[: len(codec)] + codec, text[len(codec) :], min(n_ref, len(codec))
+    if not text_complete:
+        raise ValueError(f"a streaming in-context prompt needs {reference.text_needed()} text tokens")
+    text = np.concatenate([text, np.repeat(pad[None], len(codec) - len(text), 0)])
+    return text + codec, pad[None].copy(), min(n_ref, len(codec))

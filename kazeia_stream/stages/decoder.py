@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -13,13 +14,15 @@ from ..engine.threads import SharedCores
 
 async def decode_frames(
     codec: CodecDecoder,
+    new_state: Callable[[], DecoderState],
     cores: SharedCores,
     frames: trio.MemoryReceiveChannel[Frame],
     out: trio.MemorySendChannel[AudioChunk],
     metrics: UtteranceMetrics,
     first_audio: trio.Event,
 ) -> None:
-    """Decode frames as they come, one push per frame, each segment from a new decoder state.
+    """Decode frames as they come, one push per frame, each segment from a new decoder state
+    (`new_state()`: a fresh one, or one primed with an in-context voice's reference frames).
 
     One frame per push, even when frames queued up while the decoder was busy: a push of
     several frames rounds differently (other matrix widths), and the same seed must give the
@@ -32,7 +35,7 @@ async def decode_frames(
     async with frames, out:
         async for frame in frames:
             if state is None or frame.new_segment:
-                state = codec.new_state()
+                state = new_state()
             start = time.perf_counter()
             threads = cores.count if metrics.first_audio is None else codec.threads
             with cores.lend(threads):

@@ -18,7 +18,7 @@ async def generate_frames(
     model: Model,
     loop: FrameLoop,
     make_prompt: Callable[[list[int], bool], Prompt],
-    text_streaming: bool,
+    text_needed: int | None,
     options: GenerationOptions,
     tokens: trio.MemoryReceiveChannel[TextTokens],
     out: trio.MemorySendChannel[Frame],
@@ -34,15 +34,17 @@ async def generate_frames(
     without, then has the machine to itself (on 2 cores: 0.17 s instead of 0.27-0.45 s beside
     the next frame's generation, which shares the cores and the memory bandwidth).
 
-    In streaming mode the talker starts from the first token; when it needs a text row that has
-    not arrived, it waits for the text (padding early would tell the model the text has ended).
-    Without streaming it waits for the segment's whole text, as the official API does. Records
-    the generator's trace and engine times into `metrics`.
+    In streaming mode the talker starts once `text_needed` tokens are known (1; more for an
+    in-context voice, whose prompt aligns the text with the reference frames); when it needs a
+    text row that has not arrived, it waits for the text (padding early would tell the model the
+    text has ended). Without streaming (`text_needed` None) it waits for the segment's whole
+    text, as the official API does. Records the generator's trace and engine times into
+    `metrics`.
     """
     rng = np.random.default_rng(options.seed)
     index = 0
     async with tokens, out:
-        while (start := await _segment_start(tokens, text_streaming)) is not None:
+        while (start := await _segment_start(tokens, text_needed)) is not None:
             prompt = make_prompt(*start)
             state = await trio.to_thread.run_sync(loop.start, prompt, model.text_feed(prompt), options, rng)
             try:
@@ -53,13 +55,13 @@ async def generate_frames(
 
 
 async def _segment_start(
-    tokens: trio.MemoryReceiveChannel[TextTokens], text_streaming: bool
+    tokens: trio.MemoryReceiveChannel[TextTokens], needed: int | None
 ) -> tuple[list[int], bool] | None:
-    """The first tokens of the next segment (all of them without text streaming), and whether
-    they are all of it; None once the text has ended."""
+    """The first `needed` tokens (at least) of the next segment (all of them when `needed` is
+    None), and whether they are all of it; None once the text has ended."""
     ids: list[int] = []
     end = False
-    while not ids or not (end or text_streaming):
+    while not ids or not (end or (needed is not None and len(ids) >= needed)):
         try:
             msg = await tokens.receive()
         except trio.EndOfChannel:
