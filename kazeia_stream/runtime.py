@@ -142,7 +142,7 @@ class Runtime:
         primed = self._primed.get(voice)
         if primed is None:
             primed = self.codec.new_state()
-            self.codec.push(primed, voice.ref_codes, self.threads.cores)
+            self.codec.prime(primed, voice.ref_codes, self.threads.cores)
             self._primed[voice] = primed
         return copy.deepcopy(primed)
 

@@ -134,3 +134,16 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
         decoder.push(state, reference["codes"][2:4], threads=2)
         assert seen and all(s == {2} for s in seen)
         assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {2}
+
+
+@pytest.mark.parametrize("n_ref", [3, 50, 75])
+def test_priming_with_a_reference_gives_the_joint_decode_after_it(decoder, reference, one_shot, n_ref):
+    """An in-context voice: the audio after `prime(reference)` is the one-shot decode of
+    [reference + rest] with the reference's samples cut, as the official code does it."""
+    codes, spf = reference["codes"], decoder.samples_per_frame
+    assert decoder.lookback_frames == 11  # the official layer sizes: 11 frames after the transformer
+    state = decoder.new_state()
+    decoder.prime(state, codes[:n_ref])
+    assert state.position == n_ref
+    rest = decoder.push(state, codes[n_ref:])
+    np.testing.assert_allclose(rest, one_shot[n_ref * spf :], atol=1e-5)

@@ -33,8 +33,10 @@ the tensor shapes, so the tiny test models run through the same code as the real
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -586,13 +588,48 @@ class CodecDecoder:
         """One-shot: a fresh utterance decoded whole."""
         return self.push(self.new_state(), codes)
 
+    def prime(self, state: DecoderState, codes: np.ndarray, threads: int | None = None) -> None:
+        """Advance `state` past `codes` (an in-context voice's reference) without making their
+        audio: the state is then what `push(state, codes)` leaves, to float rounding, at a
+        fraction of the cost. The quantizer, pre-conv and transformer run on every frame (each
+        attention layer looks 71 frames back, so the transformer's state depends on them all);
+        the convolutions after it hold finite contexts, which depend on the last
+        `lookback_frames` frames only, so only those run through them."""
+        codes = np.asarray(codes, dtype=np.int64)
+        with self._blas.limit(limits=threads or self.threads):
+            h = self.transformer(state.transformer, self.pre_conv(state.pre_conv, self.quantizer(codes)))
+            for _ in self._render(state, h[:, -self.lookback_frames :]):
+                pass
+
+    @cached_property
+    def lookback_frames(self) -> int:
+        """How many frames back the state of the layers after the transformer reaches: each
+        layer's context in frames at its rate (a transposed conv sees one input column back),
+        summed over the layers, rounded up (11 for the official decoder)."""
+        frames, rate = 0.0, 1  # rate: columns per frame at the current layer's input
+        for up, convnext in self.upsample:
+            frames += 1 / rate
+            rate *= up.s
+            frames += (convnext.dwconv.k - 1) / rate
+        frames += self.entry.context / rate
+        for block in self.blocks:
+            frames += 1 / rate
+            rate *= block.up.s
+            frames += sum(unit.conv1.context + unit.conv2.context for unit in block.units) / rate
+        frames += self.post_conv.context / rate
+        return math.ceil(frames)
+
     def _forward(self, state: DecoderState, codes: np.ndarray) -> Iterator[np.ndarray]:
-        """The audio of the next frames, in consecutive pieces. Up to the first decoder block a
-        pass runs whole (the weights are large, the activations small); from there on in
-        pieces of at most PIECE_ELEMENTS output values per block, so that the activations stay
-        in the L2 cache. Every layer streams, so any split gives the same samples."""
+        """The audio of the next frames, in consecutive pieces."""
         h = self.pre_conv(state.pre_conv, self.quantizer(codes))
-        h = self.transformer(state.transformer, h)
+        yield from self._render(state, self.transformer(state.transformer, h))
+
+    def _render(self, state: DecoderState, h: np.ndarray) -> Iterator[np.ndarray]:
+        """The audio of the transformer's output h [C, n], in consecutive pieces. Up to the first
+        decoder block a pass runs whole (the weights are large, the activations small); from
+        there on in pieces of at most PIECE_ELEMENTS output values per block, so that the
+        activations stay in the L2 cache. Every layer streams, so any split gives the same
+        samples."""
         for (up, convnext), (tail, context) in zip(self.upsample, state.upsample):
             h = convnext(context, up(tail, h))
         pieces = [self.entry(state.entry, h)]
