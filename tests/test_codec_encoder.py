@@ -85,14 +85,6 @@ def test_codes_match_official(out_type, ref, ref_checkpoint, tiny_gguf):
         assert ties_only(enc, wav, expected) > 0
 
 
-def test_sliding_window_changes_nothing_within_it(ref, ref_checkpoint, tiny_gguf):
-    """The reference clip is shorter than the window: the flash-attention variant agrees."""
-    enc = CodecEncoder(mmproj(ref, tiny_gguf, "f32"))
-    wav = ref["ref_wav_24k"]
-    assert -(-len(wav) // 960) <= enc.sliding_window
-    np.testing.assert_array_equal(enc.encode(wav, windowed=True), enc.encode(wav))
-
-
 def test_short_input_and_bad_input(ref, ref_checkpoint, tiny_gguf):
     enc = CodecEncoder(mmproj(ref, tiny_gguf, "f32"), threads=1)
     assert enc.encode(ref["ref_wav_24k"][:1]).shape == (1, 16)
@@ -163,10 +155,10 @@ def test_missing_encoder_config_key(tiny_checkpoint, tmp_path):
     ckpt = Path(shutil.copytree(tiny_checkpoint("base"), tmp_path / "ckpt"))
     path = ckpt / "speech_tokenizer" / "config.json"
     config = json.loads(path.read_text())
-    del config["encoder_config"]["sliding_window"]
+    del config["encoder_config"]["rope_theta"]
     path.write_text(json.dumps(config))
     with pytest.raises(ModelFileError) as e:
         convert(ckpt, tmp_path / "out", "f16")
     message = str(e.value)
-    assert "\n" not in message and "encoder_config.sliding_window" in message, message
+    assert "\n" not in message and "encoder_config.rope_theta" in message, message
     assert not list((tmp_path / "out").glob("*.gguf"))

@@ -250,7 +250,6 @@ CODEC_ENCODER_KEYS: dict[str, type] = {  # speech_tokenizer/config.json encoder_
     "head_dim": int,
     "norm_eps": float,
     "rope_theta": float,
-    "sliding_window": int,
     "num_semantic_quantizers": int,
 }
 KEY_ENC_UPSAMPLING_RATIOS = KEY_ENC_PREFIX + "upsampling_ratios"  # int array; applied reversed
