@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kazeia_stream")
 
 MODEL_ENV = "KAZEIA_MODEL"
+API_KEY_ENV = "KAZEIA_API_KEY"
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -395,12 +396,70 @@ def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .model.voice import VoiceLibrary
+    from .server.app import serve
+    from .server.voices import ServerVoices
+
+    model = _model(args)
+    voices = ServerVoices(model, VoiceLibrary(args.voices))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return serve(_runtime(args, model), voices, args.host, args.port, api_key, args.max_queue)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible speech server with a streaming WebSocket",
+        description="Serve POST /v1/audio/speech (OpenAI's dialect), GET /v1/models, "
+        "GET /v1/audio/voices, the WebSocket /v1/audio/speech/stream and /health.",
+    )
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_at_least(0), default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--api-key", help=f"require this bearer key on all routes but /health (or ${API_KEY_ENV})")
+    p.add_argument(
+        "--max-queue",
+        type=_at_least(0),
+        default=8,
+        help="requests that may wait for the engines; more get 503 (default 8)",
+    )
+    _add_voices_dir(p)
+    _add_threads(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_wyoming(args: argparse.Namespace) -> int:
+    from .model.voice import VoiceLibrary
+    from .server.voices import ServerVoices
+    from .server.wyoming import serve
+
+    model = _model(args)
+    voices = ServerVoices(model, VoiceLibrary(args.voices))
+    return serve(_runtime(args, model), voices, args.uri)
+
+
+def _wyoming_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("wyoming", help="a Wyoming text-to-speech server (Home Assistant)")
+    _add_model(p)
+    p.add_argument(
+        "--uri", default="tcp://127.0.0.1:10200", help="where to listen (default tcp://127.0.0.1:10200)"
+    )
+    _add_voices_dir(p)
+    _add_threads(p)
+    p.set_defaults(func=cmd_wyoming)
+    return p
+
+
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
     "convert": _convert_parser,
     "voices": _voices_parser,
     "voice": _voice_parser,
     "dump": _dump_parser,
     "bench": _bench_parser,
+    "serve": _serve_parser,
+    "wyoming": _wyoming_parser,
 }
 
 
