@@ -107,12 +107,6 @@ class _Released(StreamingResponse):
         self._admission.streams += 1
         try:
             await super().__call__(scope, receive, send)
-            log.warning("CALL RETURNED")
-        except BaseException as e:
-            import traceback
-
-            log.warning("CALL EXC %r %s", e, "".join(traceback.format_exception(e)))
-            raise
         finally:
             self._admission.streams -= 1
             with trio.CancelScope(shield=True):
