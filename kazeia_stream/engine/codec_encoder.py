@@ -30,8 +30,8 @@ Layout and speed: activations are channel-major, [channels, time] float32; a con
 sgemms on numpy's BLAS (one per tap on a shifted view of the padded input for stride 1, one per
 stride-long phase of the kernel for strided ones, over a copy of the input regrouped by phase);
 a narrow stride-1 conv (the first, on the samples) is one sgemm over an im2col copy instead. A
-10 s clip takes about 0.6 s on the 0.6B's encoder (2 cores; 0.9 s on one);
-`python -m kazeia_stream.engine.codec_encoder MMPROJ` measures it.
+10 s clip takes about 0.6 s on the 0.6B's encoder (2 cores; 0.9 s on one; `kazeia-stream voice
+create ... -v` logs the time of a voice).
 
 Weights come from the mmproj of a Base model converted by our converter (`kazeia.enc.*` and
 `kazeia.codec_encoder.*`, see gguf_layout): every width and count is read from the tensor shapes
@@ -375,34 +375,3 @@ def _codebooks(f: GGUFFile, name: str) -> np.ndarray:
     """[n, size, dim] (the GGUF shape drops n when it is 1)."""
     cb = _tensor(f, name)
     return np.ascontiguousarray(cb.reshape(-1, *cb.shape[-2:]))
-
-
-def _bench(argv: list[str] | None = None) -> None:
-    """`python -m kazeia_stream.engine.codec_encoder MMPROJ`: seconds to encode a clip of noise
-    (the best of --repeat runs)."""
-    import argparse
-    import time
-
-    ap = argparse.ArgumentParser(description=_bench.__doc__)
-    ap.add_argument("mmproj")
-    ap.add_argument("--seconds", type=float, default=10.0, help="clip length (default 10)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: numpy's)")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    enc = CodecEncoder(GGUFFile(args.mmproj), threads=args.threads)
-    load = time.perf_counter() - t0
-    wav = (np.random.default_rng(0).standard_normal(int(args.seconds * enc.sample_rate)) * 0.1).astype(F32)
-    times = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        codes = enc.encode(wav)
-        times.append(time.perf_counter() - t0)
-    print(
-        f"{args.seconds:g} s clip -> codes {list(codes.shape)}: {min(times):.2f} s "
-        f"(best of {args.repeat}, mean {np.mean(times):.2f} s; load {load:.2f} s)"
-    )
-
-
-if __name__ == "__main__":
-    _bench()

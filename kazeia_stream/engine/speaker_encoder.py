@@ -15,7 +15,7 @@ rounding, not for streaming:
 Layout and speed: activations are channel-major, [channels, time] float32, and a convolution is
 one sgemm W [C_out, C_in * k] @ im2col [C_in * k, T] on numpy's BLAS (k = 1: W @ X directly).
 A 10 s clip (937 frames) takes about 0.08 s on the 0.6B's encoder with 2 BLAS threads, 0.13 s on
-one (`python -m kazeia_stream.engine.speaker_encoder MMPROJ` measures it).
+one (`kazeia-stream voice create ... -v` logs the time of a voice).
 
 Weights come from the mmproj GGUF (`a.*` / `mm.a.fc`, see gguf_layout); every width, kernel size
 and the Res2Net scale are read from the tensor shapes, so the tiny test models run through the
@@ -332,38 +332,3 @@ def _block(f: GGUFFile, bid: int, dilation: int) -> SERes2NetBlock:
         )
     except ValueError as e:
         raise ModelFileError(f"{f.path}: speaker encoder {e}") from None
-
-
-def _bench(argv: list[str] | None = None) -> None:
-    """`python -m kazeia_stream.engine.speaker_encoder MMPROJ`: seconds to embed a clip of noise
-    (log-mel and x-vector; the best of --repeat runs)."""
-    import argparse
-    import time
-
-    ap = argparse.ArgumentParser(description=_bench.__doc__)
-    ap.add_argument("mmproj")
-    ap.add_argument("--seconds", type=float, default=10.0, help="clip length (default 10)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: numpy's)")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    enc = SpeakerEncoder(GGUFFile(args.mmproj))
-    load = time.perf_counter() - t0
-    wav = (np.random.default_rng(0).standard_normal(int(args.seconds * SAMPLE_RATE)) * 0.1).astype(F32)
-    mels, vecs = [], []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        mel = log_mel(wav)
-        t1 = time.perf_counter()
-        enc.x_vector(mel, threads=args.threads)
-        mels.append(t1 - t0)
-        vecs.append(time.perf_counter() - t1)
-    print(
-        f"{args.seconds:g} s clip, {len(mel)} frames, enc_dim {enc.enc_dim}: "
-        f"log_mel {min(mels) * 1e3:.0f} ms, "
-        f"x_vector {min(vecs) * 1e3:.0f} ms (best of {args.repeat}; load {load:.2f} s)"
-    )
-
-
-if __name__ == "__main__":
-    _bench()
