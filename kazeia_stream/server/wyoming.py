@@ -8,8 +8,9 @@
   as soon as it is complete, as its own audio-start/chunks/audio-stop (as Piper does), then
   `synthesize-stopped`. The plain `synthesize` that clients send inside the exchange (Home
   Assistant does, for servers that do not stream) is ignored.
-- our errors (unknown voice or language, empty text) -> an `error` event; the connection and the
-  server go on.
+- our errors (unknown voice or language, empty text) -> an `error` event (for a plain
+  `synthesize`, then an empty audio-start/audio-stop: Home Assistant reads until audio-stop);
+  the connection and the server go on.
 
 The runtime's frame generator blocks and holds the engines while it runs, so it runs in one
 worker thread, an utterance at a time in arrival order (clients queue there), and hands each
@@ -373,12 +374,15 @@ class _Handler(AsyncEventHandler):
     # -- requests --------------------------------------------------------------------------------
 
     async def _synthesize(self, text: str, name: str | None, language: str | None) -> None:
+        """A plain request: its answer always ends with audio-stop, even after an error, since
+        Home Assistant reads until then (it does not look for error events outside a stream)."""
         try:
             voice = self.server.voices.resolve(name)
         except KazeiaError as exc:
             await self._error(exc)
+            await self._no_audio()
             return
-        await self._speak(text, voice, self.server.language(language))
+        await self._speak(text, voice, self.server.language(language), plain=True)
 
     def _start_stream(self, name: str | None, language: str | None) -> None:
         try:
@@ -413,9 +417,10 @@ class _Handler(AsyncEventHandler):
 
     # -- answers -----------------------------------------------------------------------------------
 
-    async def _speak(self, text: str, voice: VoiceArg, language: str) -> None:
+    async def _speak(self, text: str, voice: VoiceArg, language: str, plain: bool = False) -> None:
         """One utterance: audio-start, a chunk per frame as it comes, audio-stop. A failure before
-        any audio is an error event alone; after some, an error event, then audio-stop."""
+        any audio is an error event (then, for a `plain` request, an empty audio-start/stop);
+        after some, an error event, then audio-stop."""
         rate = self.server.runtime.model.sample_rate
         started = False
         failure: Exception | None = None
@@ -436,10 +441,16 @@ class _Handler(AsyncEventHandler):
                 )
         if failure is not None:
             await self._error(failure)
-            if not started:
+            if not started and not plain:
                 return
-        elif not started:  # no frame at all (an immediate end of speech): still an answer
-            await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
+        if not started:  # no frame at all (an error, an immediate end of speech): still an answer
+            await self._no_audio()
+            return
+        await self.write_event(AudioStop().event())
+
+    async def _no_audio(self) -> None:
+        rate = self.server.runtime.model.sample_rate
+        await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
         await self.write_event(AudioStop().event())
 
     async def _error(self, exc: Exception) -> None:
