@@ -375,6 +375,19 @@ def test_websocket_errors_are_events(server):
     event = asyncio.run(converse(server.url, script))
     assert event["type"] == "error" and "unknown message type" in event["message"]
 
+    async def garbage(ws):
+        answers = []
+        for bad in ("{not json", b"\x00\x01"):
+            await ws.send(bad)
+            answers.append(json.loads(await ws.recv()))
+        await ws.send(json.dumps({"type": "text", "text": TEXT}))
+        await ws.send(json.dumps({"type": "end"}))
+        return answers, await events_until_done(ws)
+
+    (not_json, binary), (events, audio, _) = asyncio.run(converse(server.url, garbage))
+    assert "not valid JSON" in not_json["message"] and "JSON text" in binary["message"]
+    assert not events[-1]["cancelled"] and len(audio) > 0  # the session went on
+
     async def bad_voice() -> dict:
         async with websockets.connect(server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
             await ws.send(json.dumps({"type": "session.config", "voice": "nobody"}))
@@ -382,3 +395,17 @@ def test_websocket_errors_are_events(server):
 
     event = asyncio.run(bad_voice())
     assert event["type"] == "error" and "unknown voice" in event["message"]
+
+
+def test_websocket_clients_that_leave_mid_utterance_leave_the_server_serving(server):
+    async def leave(ws):
+        await ws.send(json.dumps({"type": "text", "text": LONG}))
+        await ws.send(json.dumps({"type": "end"}))
+        while not isinstance(await ws.recv(), bytes):  # audio is flowing: hang up
+            pass
+
+    for _ in range(3):
+        asyncio.run(converse(server.url, leave))
+    time.sleep(0.5)
+    assert httpx.get(server.url + "/health").json()["in_flight"] == 0
+    # the module's server must also stop without a traceback (its fixture checks)

@@ -33,6 +33,7 @@ from .. import __version__
 from ..engine.frames import GenerationOptions
 from ..errors import KazeiaError, UsageError
 from ..runtime import Runtime
+from ..session import single_errors
 from .formats import FORMATS, open_encoder
 from .voices import ServerVoices
 
@@ -274,7 +275,7 @@ class SpeechServer:
             await ws.close(code=1013, reason="the server is shutting down")
             return
         try:
-            config = await ws.receive_json()
+            config = await _message(ws)
             if not isinstance(config, dict) or config.get("type") != "session.config":
                 raise UsageError('the first message must be {"type": "session.config", ...}')
             fmt = _string(config, "response_format", "pcm")
@@ -302,12 +303,21 @@ class _Conversation:
         self.text: trio.MemorySendChannel[str] | None = None
 
     async def run(self) -> None:
+        """Until the client goes (WebSocketDisconnect, raised as itself, not in a group)."""
+        with single_errors():
+            await self._run()
+
+    async def _run(self) -> None:
         async with trio.open_nursery() as nursery:
             queue_send, queue_recv = trio.open_memory_channel[trio.MemoryReceiveChannel[str]](math.inf)
             nursery.start_soon(self._speaker, queue_recv)
             try:
                 while True:
-                    msg = await self.ws.receive_json()
+                    try:
+                        msg = await _message(self.ws)
+                    except UsageError as e:  # not JSON: said, and the session goes on
+                        await _send_error(self.ws, str(e))
+                        continue
                     kind = msg.get("type") if isinstance(msg, dict) else None
                     if kind == "text":
                         piece = msg.get("text")
@@ -365,6 +375,19 @@ class _Conversation:
                 "metrics": _metrics(m),
             }
             await self.ws.send_json(done)
+
+
+async def _message(ws: WebSocket) -> Any:
+    """The client's next message, parsed; UsageError for a binary or non-JSON one."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    if message.get("text") is None:
+        raise UsageError("messages to the server are JSON text (binary messages carry the audio back)")
+    try:
+        return json.loads(message["text"])
+    except ValueError as e:
+        raise UsageError(f"a message is not valid JSON ({e})") from None
 
 
 async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]:
@@ -458,6 +481,7 @@ def serve(
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    _serialise_hypercorn_close()
     server = SpeechServer(runtime, voices, api_key, max_queue)
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -491,6 +515,28 @@ def serve(
 
     trio.run(main)
     return 0
+
+
+def _serialise_hypercorn_close() -> None:
+    """Hypercorn 0.18's trio TCPServer sends the EOF of a closing connection (`_close`) outside
+    the lock its data sends hold: when a WebSocket client hangs up while audio is being sent, the
+    two meet on the socket, trio raises BusyResourceError in the send, which nothing catches, and
+    the whole server stops. Taking the same lock in `_close` orders them (installed once)."""
+    from hypercorn.trio.tcp_server import TCPServer
+
+    close = TCPServer._close
+    if getattr(close, "serialised", False):
+        return
+
+    async def serialised_close(self: TCPServer) -> None:
+        if self.send_lock.statistics().owner is trio.lowlevel.current_task():
+            await close(self)  # a send that failed is closing the connection: it holds the lock
+            return
+        async with self.send_lock:
+            await close(self)
+
+    serialised_close.serialised = True  # type: ignore[attr-defined]
+    TCPServer._close = serialised_close  # type: ignore[method-assign]
 
 
 async def _run(
