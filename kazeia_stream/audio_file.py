@@ -18,6 +18,7 @@ import numpy as np
 import soundfile as sf
 
 from .errors import OutputError, UsageError
+from .stages.sinks import pcm_bytes
 
 
 def _target(path: Path) -> Path:
@@ -60,6 +61,10 @@ class AudioFileWriter:
         self.frames = 0
 
     def write(self, samples: np.ndarray) -> None:
+        """16-bit files get the samples of `--pipe` and the server (`pcm_bytes`); libsndfile's
+        own float conversion differs by up to 1 LSB (and between WAV and FLAC)."""
+        if self._file.subtype == "PCM_16":
+            samples = np.frombuffer(pcm_bytes(samples, "s16le"), dtype="<i2")
         try:
             self._file.write(samples)
         except (sf.LibsndfileError, OSError) as e:
