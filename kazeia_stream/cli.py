@@ -103,14 +103,8 @@ def cmd_voices(args: argparse.Namespace) -> int:
     print(f"model: {model.kind} ({model.config.size}), {model.sample_rate} Hz")
     if model.kind == "base":
         library = VoiceLibrary(args.voices)
-        saved = []
-        for name in library.names():
-            try:
-                voice = library.load(name)
-                model.check_voice(voice)
-                saved.append(f"{name} ({voice.mode}, {voice.ref_seconds:.1f} s)")
-            except UsageError:
-                continue  # made with a model of other widths, or unreadable
+        voices = model.saved_voices(library)
+        saved = [f"{name} ({voice.mode}, {voice.ref_seconds:.1f} s)" for name, voice in voices.items()]
         print(f"saved voices in {library.folder}: " + (", ".join(saved) or "(none yet)"))
         print('make one: kazeia-stream voice create NAME --ref-audio FILE [--ref-text "what it says"]')
     else:

@@ -52,7 +52,6 @@ class VoiceEncoders:
     ) -> Voice:
         """A voice from a recording (a file, or samples at `sample_rate`); with its transcript
         `ref_text` an in-context voice, without it x-vector only."""
-        self._check_text(ref_text)
         return self.encode(read_reference(audio, sample_rate, self.model.sample_rate), ref_text, name)[0]
 
     def encode(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from functools import cached_property
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from .prompt import (
 )
 from .text_stream import IncrementalTokenizer
 from .tokenizer import Tokenizer
-from .voice import Voice
+from .voice import Voice, VoiceLibrary
 
 VoiceArg = str | Voice | None
 
@@ -100,6 +101,9 @@ class Model:
             self.talker_file, self.mmproj_file, names, self.tokenizer.special_id
         )
         self._rows = _TalkerRows(self.talker_file, self.mmproj_file, self.config.talker.text_vocab_size)
+        self._voices: weakref.WeakKeyDictionary[Voice, tuple[np.ndarray, InContext | None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @cached_property
     def pad_embedding(self) -> np.ndarray:
@@ -229,6 +233,19 @@ class Model:
                 "voice %r was made with another model (%s); it may sound different", voice.name, voice.model
             )
 
+    def saved_voices(self, library: VoiceLibrary) -> dict[str, Voice]:
+        """The voices of `library` that fit this model, by name (others are passed over: made
+        with a model of other widths, or not voice files)."""
+        fitting = {}
+        for name in library.names():
+            try:
+                voice = library.load(name)
+                self.check_voice(voice)
+            except UsageError:
+                continue
+            fitting[name] = voice
+        return fitting
+
     @cached_property
     def identity(self) -> str:
         """Which checkpoint the files come from: our converter's id, else the file's name."""
@@ -283,12 +300,7 @@ class Model:
     def _resolve_voice(self, voice: VoiceArg) -> tuple[str | None, np.ndarray | None, InContext | None]:
         """(built-in speaker name, the speaker row of the prompt, the in-context reference)."""
         if isinstance(voice, Voice):
-            self.check_voice(voice)
-            reference = None
-            if voice.ref_codes is not None:
-                text_ids = self._turn(ASSISTANT, voice.ref_text or "", TURN_END)[ROLE_TOKENS:-TURN_END_TOKENS]
-                reference = InContext(text_ids, self._rows.frames(voice.ref_codes))
-            return None, voice.x_vector.astype(np.float32), reference
+            return None, *self._cloned(voice)
         if self.kind == "base":
             if voice is not None:
                 raise UsageError(
@@ -306,6 +318,18 @@ class Model:
         if name not in self.config.speakers:
             raise UsageError(f"unknown voice {voice!r}; this model has: {', '.join(self.voices)}")
         return name, self._rows.codec([self.config.speakers[name]])[0], None
+
+    def _cloned(self, voice: Voice) -> tuple[np.ndarray, InContext | None]:
+        """A cloned voice's speaker row and in-context reference, checked and built once per
+        voice (every utterance of a session asks again)."""
+        if voice not in self._voices:
+            self.check_voice(voice)
+            reference = None
+            if voice.ref_codes is not None:
+                text_ids = self._turn(ASSISTANT, voice.ref_text or "", TURN_END)[ROLE_TOKENS:-TURN_END_TOKENS]
+                reference = InContext(text_ids, self._rows.frames(voice.ref_codes))
+            self._voices[voice] = voice.x_vector.astype(np.float32), reference
+        return self._voices[voice]
 
     def _resolve_language(self, language: str, speaker: str | None) -> int | None:
         name = (language or "auto").lower()

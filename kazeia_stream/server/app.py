@@ -34,7 +34,7 @@ from ..engine.frames import GenerationOptions
 from ..errors import KazeiaError, UsageError
 from ..runtime import Runtime
 from ..session import single_errors
-from .formats import FORMATS, open_encoder
+from .formats import FORMATS, check_format, open_encoder
 from .voices import ServerVoices
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class Speech:
     """A checked request: what to say, how, and how to send it."""
 
     text: str
+    n_tokens: int
     session: dict[str, Any]  # Runtime.open's keyword arguments
     response_format: str
     sse: bool
@@ -131,7 +132,7 @@ class SpeechServer:
     def __init__(self, runtime: Runtime, voices: ServerVoices, api_key: str | None, max_queue: int) -> None:
         self.runtime, self.voices, self.api_key = runtime, voices, api_key
         self.admission = Admission(max_queue)
-        self.model_id = runtime.model.identity if runtime.model.identity else "kazeia-stream"
+        self.model_id = runtime.model.identity
         self.app: ASGIApp = _Guard(
             Starlette(
                 routes=[
@@ -195,7 +196,7 @@ class SpeechServer:
             m.audio_s, "-" if ttfa is None else f"{ttfa:.2f}", m.started - started, m.rtf or 0.0,
         )  # fmt: skip
         if speech.sse:
-            tokens = self.runtime.model.count_tokens(speech.text)
+            tokens = speech.n_tokens
             usage = {"input_tokens": tokens, "output_tokens": frames, "total_tokens": tokens + frames}
             done = {
                 "type": "speech.audio.done",
@@ -214,12 +215,6 @@ class SpeechServer:
         if len(text) > MAX_INPUT_CHARS:
             raise ApiError(400, f"'input' is longer than {MAX_INPUT_CHARS} characters", param="input")
         fmt = _string(body, "response_format", "mp3")
-        if fmt not in FORMATS:
-            raise ApiError(
-                400,
-                f"unknown response_format {fmt!r}; use one of {', '.join(FORMATS)}",
-                param="response_format",
-            )
         stream_format = _string(body, "stream_format", "audio")
         if stream_format not in ("audio", "sse"):
             raise ApiError(400, "stream_format must be 'audio' or 'sse'", param="stream_format")
@@ -228,12 +223,12 @@ class SpeechServer:
             raise ApiError(400, "only speed 1.0 is supported (the model has no speed control)", param="speed")
         session = self._settings(body)
         try:
-            open_encoder(fmt, self.runtime.model.sample_rate).finish()  # unsupported here: 400 now
+            fmt = check_format(fmt)
             self.runtime.probe(session["voice"], session["language"], session["instruct"])
-            self.runtime.model.count_tokens(text)
+            n_tokens = self.runtime.model.count_tokens(text)
         except KazeiaError as e:
             raise ApiError(400, str(e)) from None
-        return Speech(text, session, fmt, stream_format == "sse")
+        return Speech(text, n_tokens, session, fmt, stream_format == "sse")
 
     def _settings(self, body: dict[str, Any]) -> dict[str, Any]:
         """Runtime.open's arguments from a request's (or a WebSocket config's) fields."""
@@ -241,26 +236,20 @@ class SpeechServer:
             voice = self.voices.resolve(_string(body, "voice", None))
         except UsageError as e:
             raise ApiError(400, str(e), param="voice") from None
-        settings: dict[str, Any] = {
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ApiError(400, "'seed' must be a non-negative integer", param="seed")
+        options = {name: body[name] for name in ("seed", *SAMPLING_FIELDS) if body.get(name) is not None}
+        try:
+            GenerationOptions(**options).resolve(self.runtime.model.config.generation)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"bad sampling settings: {e}") from None
+        return {
             "voice": voice,
             "language": _string(body, "language", "auto"),
             "instruct": _string(body, "instructions", None) if self.runtime.model.kind != "base" else None,
+            **options,
         }
-        seed = body.get("seed")
-        if seed is not None:
-            if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-                raise ApiError(400, "'seed' must be a non-negative integer", param="seed")
-            settings["seed"] = seed
-        for name in SAMPLING_FIELDS:
-            if body.get(name) is not None:
-                settings[name] = body[name]
-        try:
-            GenerationOptions(
-                **{k: v for k, v in settings.items() if k in (*SAMPLING_FIELDS, "seed")}
-            ).resolve(self.runtime.model.config.generation)
-        except (TypeError, ValueError) as e:
-            raise ApiError(400, f"bad sampling settings: {e}") from None
-        return settings
 
     # -- WebSocket /v1/audio/speech/stream ----------------------------------------------------------
 
@@ -278,8 +267,7 @@ class SpeechServer:
             config = await _message(ws)
             if not isinstance(config, dict) or config.get("type") != "session.config":
                 raise UsageError('the first message must be {"type": "session.config", ...}')
-            fmt = _string(config, "response_format", "pcm")
-            open_encoder(fmt, self.runtime.model.sample_rate).finish()
+            fmt = check_format(_string(config, "response_format", "pcm"))
             settings = self._settings(config)
             async with self.runtime.open(**settings) as tts:
                 await ws.send_json(

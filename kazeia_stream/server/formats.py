@@ -335,13 +335,19 @@ class _SoundFileEncoder(AudioEncoder):
         return self._sink.held
 
 
-def open_encoder(fmt: str, sample_rate: int) -> AudioEncoder:
-    """An encoder for `response_format` `fmt`; UnsupportedFormat for aac or an unknown name."""
+def check_format(fmt: str) -> str:
+    """The format's name, if this server encodes it; UnsupportedFormat for aac or an unknown name."""
     name = fmt.lower()
     if name == "aac":
         raise _unsupported(fmt, "libsndfile has no AAC encoder")
     if name not in SUPPORTED:
         raise _unsupported(fmt, "unknown format")
+    return name
+
+
+def open_encoder(fmt: str, sample_rate: int) -> AudioEncoder:
+    """An encoder for `response_format` `fmt` (see `check_format`)."""
+    name = check_format(fmt)
     encoder: AudioEncoder
     if name == "pcm":
         encoder = _RawEncoder()
