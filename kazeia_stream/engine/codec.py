@@ -13,19 +13,24 @@ own state object, as in Kyutai's moshi streaming modules:
   and the transformer keeps the absolute RoPE position (positions count from the start of the
   utterance, as in the official one-shot decode).
 
-One path, `CodecDecoder.push(state, codes)`, serves streaming and one-shot decoding. The official semantics
-kept here: negative codes clamp to 0, the transposed convolutions trim (k - s) samples on the
-right only, the sliding window lets a query at t see keys t - window + 1 .. t, the output is
-clamped to [-1, 1].
+One path, `CodecDecoder.push_many(states, codes)`, serves streaming and one-shot decoding, of
+one utterance (`push`) or of several at once (streams: each state advanced as alone, to float
+rounding). The official semantics kept here: negative codes clamp to 0, the transposed
+convolutions trim (k - s) samples on the right only, the sliding window lets a query at t see
+keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
 Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
 a few sgemms W @ X on numpy's BLAS (weights on the left is the fast orientation for the few
 time columns of the early stages); a convolution tap is a shifted column view of the layer's
-context buffer, which the producer writes into directly. Each push sets its own BLAS thread
-count (threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small,
-and OpenBLAS' threads spin after each one, taking the core that llama.cpp's threads need (a
-second BLAS thread made the talker's next step ~2x slower, and synthesis of the tiny test
-models 30-80x). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+context buffer, which the producer writes into directly. Several streams' activations are
+[channels, time * streams], stream index fastest, so that a tap stays one column view and
+each multiplication reads its weights once for all the streams: the layers whose weights are
+large and columns few (up to the first decoder block) run so, on the streams' states stacked
+for the call; the later blocks run per stream. Each push sets its own BLAS thread count
+(threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small, and
+OpenBLAS' threads spin after each one, taking the core that llama.cpp's threads need (a second
+BLAS thread made the talker's next step ~2x slower, and synthesis of the tiny test models
+30-80x). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -34,9 +39,10 @@ the tensor shapes, so the tiny test models run through the same code as the real
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
+from typing import Any
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -58,6 +64,17 @@ DILATIONS = (1, 3, 9)  # residual units of each decoder block (hard-coded upstre
 MAX_FRAMES_PER_PASS = 16
 # The decoder blocks run on column pieces of at most this many output values (floats).
 PIECE_ELEMENTS = 1 << 18
+# `push_many` runs this many decoder blocks (and the layers before them) on all the streams'
+# columns at once; the later ones per stream (their many columns make the multiplications the
+# cost, not the weight reads: batching them measured slower).
+JOINT_BLOCKS = 1
+# OpenBLAS' SkylakeX-family cores multiply a small product (M * N * K <= 100^3) with a kernel
+# that packs nothing. With a few columns, packing the weights is most of an sgemm's cost: W @ X
+# in row blocks of that size measured 1.3-2x faster than one sgemm from 2 to 32 columns (as
+# fast at 64, slower from 128).
+SMALL_GEMM_MNK = 100**3
+SMALL_GEMM_MAX_COLUMNS = 32
+SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 
 F32 = np.float32
 
@@ -100,14 +117,30 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@cache
+def _small_gemm() -> bool:
+    """Whether numpy's BLAS is an OpenBLAS with the small-matrix kernel (SMALL_GEMM_CORES)."""
+    infos = ThreadpoolController().select(internal_api="openblas").info()
+    return any(str(info.get("architecture", "")).lower() in SMALL_GEMM_CORES for info in infos)
+
+
 def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """w @ x for x [K, n]; one column goes through gemv, faster than OpenBLAS' sgemm for it."""
-    if x.shape[1] != 1:
+    """w @ x for x [K, n]. One column goes through gemv, faster than OpenBLAS' sgemm for it; a
+    few columns in row blocks of w that OpenBLAS' small-matrix kernel takes, where it has one."""
+    (m, k), n = w.shape, x.shape[1]
+    if n == 1:
+        y = np.dot(w, x[:, 0])[:, None]
+        if out is None:
+            return y
+        out[...] = y
+        return out
+    rows = SMALL_GEMM_MNK // (n * k)
+    if not 0 < rows < m or n > SMALL_GEMM_MAX_COLUMNS or not _small_gemm():
         return np.matmul(w, x, out=out)
-    y = np.dot(w, x[:, 0])[:, None]
     if out is None:
-        return y
-    out[...] = y
+        out = np.empty((m, n), F32)
+    for r in range(0, m, rows):
+        np.matmul(w[r : r + rows], x, out=out[r : r + rows])
     return out
 
 
@@ -151,32 +184,49 @@ class Linear:
 
 
 class ContextBuffer:
-    """A causal convolution's state and input, [C, context + n]: `context` columns of left
-    context (the previous inputs; zeros at the start of an utterance), then the n new columns.
-    The producer writes them into `input(n)`; after the layer ran, `advance(n)` keeps the last
-    `context` columns."""
+    """A causal convolution's state and input for S streams (one utterance's: S = 1),
+    [C, (context + n) * S], stream index fastest: `context` time steps of left context (the
+    previous inputs; zeros at the start of an utterance), then the n new ones. The producer
+    writes them into `input(n * S)`; after the layer ran, `advance(n * S)` keeps the last
+    `context` time steps. A tap shifted by j time steps is the column view shifted by j * S."""
 
-    def __init__(self, context: int, channels: int) -> None:
-        self.context, self.channels = context, channels
-        self.buf = np.zeros((channels, context), F32)
+    def __init__(self, context: int, channels: int, streams: int = 1) -> None:
+        self.context, self.channels, self.streams = context, channels, streams
+        self.width = context * streams  # columns of context
+        self.buf = np.zeros((channels, self.width), F32)
 
-    def input(self, n: int) -> np.ndarray:
-        if self.buf.shape[1] != self.context + n:
-            buf = np.empty((self.channels, self.context + n), F32)
-            buf[:, : self.context] = self.buf[:, : self.context]
+    def input(self, cols: int) -> np.ndarray:
+        if self.buf.shape[1] != self.width + cols:
+            buf = np.empty((self.channels, self.width + cols), F32)
+            buf[:, : self.width] = self.buf[:, : self.width]
             self.buf = buf
-        return self.buf[:, self.context :]
+        return self.buf[:, self.width :]
 
-    def advance(self, n: int) -> None:
-        if self.context:
-            self.buf[:, : self.context] = self.buf[:, n:]  # numpy copes with the overlap
+    def advance(self, cols: int) -> None:
+        if self.width:
+            self.buf[:, : self.width] = self.buf[:, cols:]  # numpy copes with the overlap
+
+    @classmethod
+    def stack(cls, parts: Sequence[ContextBuffer]) -> ContextBuffer:
+        """One buffer for the streams of `parts` (one each): a copy of their contexts."""
+        first = parts[0]
+        stacked = cls(first.context, first.channels, len(parts))
+        view = stacked.buf.reshape(first.channels, first.context, len(parts))
+        np.stack([p.buf[:, : p.width] for p in parts], axis=2, out=view)
+        return stacked
+
+    def unstack(self, parts: Sequence[ContextBuffer]) -> None:
+        """Copy each stream's context back to its own buffer in `parts`."""
+        view = self.buf[:, : self.width].reshape(self.channels, self.context, self.streams)
+        for s, part in enumerate(parts):
+            part.buf[:, : part.width] = view[:, :, s]
 
 
 class CausalConv:
     """Causal Conv1d, stride 1, left-padded by (k - 1) * dilation; weight [C_out, C_in, k].
 
-    y = b + sum_j W_j X[:, j * d : j * d + n] over the context buffer: one sgemm per tap on a
-    shifted view of the buffer (BLAS reads it in place), no im2col copy."""
+    y = b + sum_j W_j X[:, j * d * S : j * d * S + n * S] over the context buffer of S streams:
+    one sgemm per tap on a shifted view of the buffer (BLAS reads it in place), no im2col copy."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
         _, c_in, k = weight.shape
@@ -190,7 +240,7 @@ class CausalConv:
 
     def run(self, state: ContextBuffer, n: int) -> np.ndarray:
         """The output for the n columns written into `state.input(n)`."""
-        buf, d = state.buf, self.dilation
+        buf, d = state.buf, self.dilation * state.streams
         y = _matmul(self.taps[0], buf[:, 0:n])
         if self.k > 1:
             t = np.empty_like(y)
@@ -220,12 +270,12 @@ class DepthwiseCausalConv:
         return ContextBuffer(self.k - 1, self.channels)
 
     def __call__(self, state: ContextBuffer, x: np.ndarray) -> np.ndarray:
-        n = x.shape[1]
+        n, s = x.shape[1], state.streams
         state.input(n)[...] = x
         buf = state.buf
         y = buf[:, 0:n] * self.taps[0]
         for j in range(1, self.k):
-            y += buf[:, j : j + n] * self.taps[j]
+            y += buf[:, j * s : j * s + n] * self.taps[j]
         y += self.bias
         state.advance(n)
         return y
@@ -233,13 +283,13 @@ class DepthwiseCausalConv:
 
 class CausalTransConv:
     """ConvTranspose1d(k, stride s) with the (k - s) last samples trimmed on the right, as the
-    official CausalTransConvNet: n input columns give n * s output columns. Weight
+    official CausalTransConvNet: n input time steps give n * s output time steps. Weight
     [C_in, C_out, k].
 
-    One sgemm [k * C_out, C_in] x [C_in, n] gives Z[m, :, t], the contribution of input t to
-    output t * s + m; then an overlap-add: output t * s + m = Z[m, t] (m < s) + Z[s + m, t - 1]
-    (m < k - s). Z[s:, last t], the tail [k - s, C_out], is the state carried into the next
-    call."""
+    One sgemm [k * C_out, C_in] x [C_in, n * S] (S streams) gives Z[m, :, t], the contribution
+    of input t to output t * s + m; then an overlap-add: output t * s + m = Z[m, t] (m < s) +
+    Z[s + m, t - 1] (m < k - s). Z[s:, last t], the tail [k - s, C_out, S], is the state carried
+    into the next call."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, stride: int) -> None:
         c_in, c_out, k = weight.shape
@@ -247,23 +297,24 @@ class CausalTransConv:
             raise ValueError(f"transposed conv kernel {k} with stride {stride} is not supported")
         self.k, self.s, self.c_out = k, stride, c_out
         self.w = np.ascontiguousarray(weight.transpose(2, 1, 0).reshape(k * c_out, c_in), dtype=F32)
-        self.bias = bias.astype(F32)[:, None]
+        self.bias = bias.astype(F32)[:, None, None]
 
     def new_state(self) -> np.ndarray:
-        return np.zeros((self.k - self.s, self.c_out), F32)
+        return np.zeros((self.k - self.s, self.c_out, 1), F32)
 
     def __call__(self, tail: np.ndarray, x: np.ndarray) -> np.ndarray:
-        n, k, s = x.shape[1], self.k, self.s
-        z = _matmul(self.w, x).reshape(k, self.c_out, n)
-        y = np.empty((self.c_out, n, s), F32)
+        k, s, streams = self.k, self.s, tail.shape[2]
+        n = x.shape[1] // streams
+        z = _matmul(self.w, x).reshape(k, self.c_out, n, streams)
+        y = np.empty((self.c_out, n, s, streams), F32)
         for m in range(s):  # one phase at a time: numpy would loop over the short m axis innermost
-            ym = y[:, :, m]  # output columns t * s + m
+            ym = y[:, :, m]  # output time steps t * s + m
             np.add(z[m], self.bias, out=ym)
             if m < k - s:
                 ym[:, 1:] += z[s + m, :, :-1]
                 ym[:, 0] += tail[m]
         tail[...] = z[s:, :, -1]
-        return y.reshape(self.c_out, n * s)
+        return y.reshape(self.c_out, n * s * streams)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,10 +398,13 @@ class DecoderBlock:
 
 class TransformerLayer:
     """Pre-norm attention + SiLU-gated MLP, each scaled per channel (LayerScale). Attention has
-    no bias and no q/k norm, NeoX RoPE, and a causal sliding window. Activations [C, n].
+    no bias and no q/k norm, NeoX RoPE, and a causal sliding window. Activations [C, n * S] of
+    S streams, stream index fastest: the projections run on all the columns at once, the
+    attention per stream.
 
-    State: a ring of K/V slots (after RoPE), `KVRing`; the Transformer tracks which position
-    each slot holds and hands every layer the additive mask (0 or -inf) of the window."""
+    State: a ring of K/V slots (after RoPE) per stream, `KVRing`; the Transformer tracks which
+    position each slot holds and hands every layer each stream's additive mask (0 or -inf) of
+    the window."""
 
     def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
         t = lambda name: _tensor(f, name.format(bid=bid))
@@ -370,26 +424,39 @@ class TransformerLayer:
         )
 
     def __call__(
-        self, kv: KVRing, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, mask: np.ndarray
+        self,
+        kvs: Sequence[KVRing],
+        x: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
+        slots: np.ndarray,
+        masks: Sequence[np.ndarray],
     ) -> np.ndarray:
-        """x [C, n]; cos, sin [head_dim, n]; `slots` [n] where the new K/V go; `mask` [n, slots]."""
-        n, hd, nh, nkv = x.shape[1], self.head_dim, self.n_heads, self.n_kv
+        """x [C, n * S]; cos, sin [head_dim, n * S]; `slots` [n, S] where the new K/V go; each
+        stream's ring and mask [n, slots]."""
+        hd, nh, nkv, streams = self.head_dim, self.n_heads, self.n_kv, len(kvs)
+        n, rep = x.shape[1] // streams, nh // nkv
         qkv = self.qkv(_rms_norm(x, self.ln1, self.eps))
-        qk = _rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n), cos, sin)
-        kv.keys[:, :, slots] = qk[nh:]
-        kv.values[:, :, slots] = qkv[(nh + nkv) * hd :].reshape(nkv, hd, n)
-        # grouped-query attention: the `rep` query heads of a kv head share its keys
-        rep, r = nh // nkv, kv.keys.shape[2]
-        q = qk[:nh].reshape(nkv, rep, hd, n).transpose(0, 1, 3, 2).reshape(nkv, rep * n, hd)
-        scores = (q @ kv.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
-        scores *= F32(hd**-0.5)
-        scores += mask
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        # [nkv, hd, slot] x [nkv, slot, rep * n] -> [nkv, hd, rep, n] -> [nh * hd, n]
-        attn = kv.values @ scores.reshape(nkv, rep * n, r).transpose(0, 2, 1)
-        attn = attn.reshape(nkv, hd, rep, n).transpose(0, 2, 1, 3).reshape(nh * hd, n)
+        qk = _rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n * streams), cos, sin)
+        qk = qk.reshape(nh + nkv, hd, n, streams)
+        v = qkv[(nh + nkv) * hd :].reshape(nkv, hd, n, streams)
+        attn = np.empty((nh * hd, n * streams), F32)
+        attn_heads = attn.reshape(nkv, rep, hd, n, streams)
+        for s, (kv, mask) in enumerate(zip(kvs, masks)):
+            kv.keys[:, :, slots[:, s]] = qk[nh:, :, :, s]
+            kv.values[:, :, slots[:, s]] = v[..., s]
+            # grouped-query attention: the `rep` query heads of a kv head share its keys
+            r = kv.keys.shape[2]
+            q = qk[:nh, :, :, s].reshape(nkv, rep, hd, n).transpose(0, 1, 3, 2).reshape(nkv, rep * n, hd)
+            scores = (q @ kv.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
+            scores *= F32(hd**-0.5)
+            scores += mask
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            # [nkv, hd, slot] x [nkv, slot, rep * n] -> [nkv, hd, rep, n] -> [nh * hd, n]
+            a = kv.values @ scores.reshape(nkv, rep * n, r).transpose(0, 2, 1)
+            attn_heads[..., s] = a.reshape(nkv, hd, rep, n).transpose(0, 2, 1, 3)
         x = x + self.ls1 * self.out(attn)
         gu = self.gate_up(_rms_norm(x, self.ln2, self.eps))
         g, u = gu[: len(gu) // 2], gu[len(gu) // 2 :]
@@ -428,9 +495,9 @@ class TransformerState:
 
 
 class Transformer:
-    """in_proj, the layers, final RMSNorm, out_proj. A pass of n <= `max_step` frames writes
-    slots p % slots, which (slots >= window - 1 + n) never overwrites a key that a query of the
-    pass still sees."""
+    """in_proj, the layers, final RMSNorm, out_proj, on S streams' columns (stream index
+    fastest), each with its own state. A pass of n <= `max_step` frames writes slots p % slots,
+    which (slots >= window - 1 + n) never overwrites a key that a query of the pass still sees."""
 
     def __init__(self, f: GGUFFile, max_step: int = MAX_FRAMES_PER_PASS) -> None:
         key = lambda name, default: f.get(L.KEY_CODEC_PREFIX + name, default)
@@ -457,25 +524,28 @@ class Transformer:
             [layer.new_state(self.n_slots) for layer in self.layers],
         )
 
-    def __call__(self, state: TransformerState, x: np.ndarray) -> np.ndarray:
-        if x.shape[1] > self.max_step:
+    def __call__(self, states: Sequence[TransformerState], x: np.ndarray) -> np.ndarray:
+        """x [C, n * S] of the S streams of `states`."""
+        step = self.max_step * len(states)
+        if x.shape[1] > step:
             return np.concatenate(
-                [self(state, x[:, i : i + self.max_step]) for i in range(0, x.shape[1], self.max_step)],
-                axis=1,
+                [self(states, x[:, i : i + step]) for i in range(0, x.shape[1], step)], axis=1
             )
-        n = x.shape[1]
-        pos = np.arange(state.pos, state.pos + n)
-        state.pos += n
-        freqs = self.inv_freq[:, None] * pos.astype(F32)[None, :]
-        emb = np.concatenate([freqs, freqs], axis=0)  # [head_dim, n]
+        n = x.shape[1] // len(states)
+        pos = np.arange(n)[:, None] + np.array([state.pos for state in states])[None, :]  # [n, S]
+        freqs = self.inv_freq[:, None] * pos.reshape(-1).astype(F32)[None, :]
+        emb = np.concatenate([freqs, freqs], axis=0)  # [head_dim, n * S]
         cos, sin = np.cos(emb), np.sin(emb)
         slots = pos % self.n_slots
-        state.slot_pos[slots] = pos
-        lag = pos[:, None] - state.slot_pos[None, :]  # query position - key position
-        mask = np.where((lag >= 0) & (lag < self.window), F32(0), F32(-np.inf)).astype(F32)
+        masks = []
+        for state, p, slot in zip(states, pos.T, slots.T):
+            state.pos += n
+            state.slot_pos[slot] = p
+            lag = p[:, None] - state.slot_pos[None, :]  # query position - key position
+            masks.append(np.where((lag >= 0) & (lag < self.window), F32(0), F32(-np.inf)).astype(F32))
         h = self.in_proj(x)
-        for layer, kv in zip(self.layers, state.layers):
-            h = layer(kv, h, cos, sin, slots, mask)
+        for i, layer in enumerate(self.layers):
+            h = layer([state.layers[i] for state in states], h, cos, sin, slots, masks)
         return self.out_proj(_rms_norm(h, self.norm, self.eps))
 
 
@@ -509,11 +579,13 @@ class Quantizer:
 
 UpsampleState = tuple[np.ndarray, ContextBuffer]  # a transposed conv's tail, a ConvNeXt's context
 BlockState = tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]
+JointState = tuple[ContextBuffer, list[UpsampleState], ContextBuffer, list[BlockState]]
 
 
 @dataclass
 class DecoderState:
-    """One utterance's decoder state: every layer's, in the order of the layers."""
+    """One utterance's decoder state: every layer's, in the order of the layers (a
+    transposed conv's tail is [k - s, C_out, 1]: one stream's)."""
 
     pre_conv: ContextBuffer
     transformer: TransformerState
@@ -527,13 +599,67 @@ class DecoderState:
         """Frames decoded so far."""
         return self.transformer.pos
 
+    def joint(self) -> JointState:
+        """The states of the convolutions that a pass runs on all the streams' columns at once."""
+        return self.pre_conv, self.upsample, self.entry, self.blocks[:JOINT_BLOCKS]
+
+
+def _stack(parts: Sequence[Any]) -> Any:
+    """The states of a layer (context buffers, tails, or tuples or lists of them), one per
+    stream, as the layer's state for all the streams, stream index fastest: a copy of their
+    contexts. One stream's is its own."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, ContextBuffer):
+        return ContextBuffer.stack(parts)
+    if isinstance(first, np.ndarray):
+        return np.concatenate(parts, axis=2)
+    return type(first)(_stack(p) for p in zip(*parts))
+
+
+def _unstack(stacked: Any, parts: Sequence[Any]) -> None:
+    """The inverse of `_stack`: copy each stream's state back into its own in `parts`."""
+    if len(parts) == 1:
+        return
+    if isinstance(stacked, ContextBuffer):
+        stacked.unstack(parts)
+    elif isinstance(stacked, np.ndarray):
+        for s, part in enumerate(parts):
+            part[...] = stacked[:, :, s : s + 1]
+    else:
+        for i, sub in enumerate(stacked):
+            _unstack(sub, [p[i] for p in parts])
+
+
+@dataclass
+class _Streams:
+    """The states of S streams for a pass over all of them: the joint ones stacked (see
+    `_stack`), and each stream's own `DecoderState` for the rest."""
+
+    states: Sequence[DecoderState]
+    pre_conv: ContextBuffer
+    upsample: list[UpsampleState]
+    entry: ContextBuffer
+    blocks: list[BlockState]
+
+    @classmethod
+    def stack(cls, states: Sequence[DecoderState]) -> _Streams:
+        """The streams' states for a pass: copies of their joint states, until `unstack`."""
+        return cls(states, *_stack([state.joint() for state in states]))
+
+    def unstack(self) -> None:
+        """Copy each stream's joint states back into its `DecoderState`."""
+        _unstack((self.pre_conv, self.upsample, self.entry, self.blocks), [s.joint() for s in self.states])
+
 
 class CodecDecoder:
     """codes [n, 16] -> float32 audio [n * samples_per_frame], streaming with explicit state.
 
     The decoder holds weights only. `new_state()` starts an utterance, `push(state, codes)`
-    continues it, `decode(codes)` is a one-shot decode of a fresh one. Chunks of any sizes give
-    the samples of the one-shot decode."""
+    continues it, `push_many(states, codes)` continues several at once, `decode(codes)` is a
+    one-shot decode of a fresh one. Chunks of any sizes give the samples of the one-shot
+    decode."""
 
     def __init__(self, mmproj: GGUFFile, threads: int) -> None:
         f = mmproj
@@ -570,19 +696,44 @@ class CodecDecoder:
     def push(self, state: DecoderState, codes: np.ndarray, threads: int | None = None) -> np.ndarray:
         """Decode the next frames of the utterance: codes [n, groups] -> audio [n * spf], on
         `threads` BLAS threads (default: the decoder's `threads`)."""
-        codes = np.asarray(codes)
-        if codes.ndim != 2 or codes.shape[1] != self.num_groups:
-            raise ValueError(f"codes must be [n, {self.num_groups}], got {codes.shape}")
-        if codes.size and codes.max() >= self.quantizer.codebook_size:
-            raise ValueError(f"codes must be < {self.quantizer.codebook_size}, got {codes.max()}")
-        out = np.empty(len(codes) * self.samples_per_frame, F32)
-        done = 0
+        return self.push_many([state], [codes], threads)[0]
+
+    def push_many(
+        self, states: Sequence[DecoderState], codes: Sequence[np.ndarray], threads: int | None = None
+    ) -> list[np.ndarray]:
+        """Decode the next n frames of several utterances (streams) together, the same n for
+        each: codes [n, groups] per stream -> audio [n * spf] per stream, each state advanced
+        as `push` leaves it (to float rounding: BLAS rounds other column counts differently).
+        The layers up to the first decoder blocks multiply their weights once by the columns of
+        all the streams: with one stream's few columns, reading the weights is the cost."""
+        if len(states) != len(codes):
+            raise ValueError(f"{len(states)} states for {len(codes)} code arrays")
+        if len({id(state) for state in states}) != len(states):
+            raise ValueError("a state is pushed twice")
+        frames = [self._check(c) for c in codes]
+        n = len(frames[0]) if frames else 0
+        if any(len(c) != n for c in frames):
+            raise ValueError(
+                f"every stream must push the same number of frames, got {[len(c) for c in frames]}"
+            )
+        outs = [np.empty(n * self.samples_per_frame, F32) for _ in states]
+        if not n:
+            return outs
+        count = len(states)
+        joint = np.stack(frames, axis=1).reshape(n * count, self.num_groups)  # stream index fastest
+        streams = _Streams.stack(states)
+        done = [0] * count
         with self._blas.limit(limits=threads or self.threads):
-            for i in range(0, len(codes), MAX_FRAMES_PER_PASS):
-                for piece in self._forward(state, codes[i : i + MAX_FRAMES_PER_PASS].astype(np.int64)):
-                    out[done : done + len(piece)] = piece
-                    done += len(piece)
-        return out
+            for i in range(0, n, MAX_FRAMES_PER_PASS):
+                h = self.quantizer(joint[i * count : (i + MAX_FRAMES_PER_PASS) * count])
+                h = self.transformer(
+                    [state.transformer for state in states], self.pre_conv(streams.pre_conv, h)
+                )
+                for s, piece in self._render(streams, h):
+                    outs[s][done[s] : done[s] + len(piece)] = piece
+                    done[s] += len(piece)
+        streams.unstack()
+        return outs
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
         """One-shot: a fresh utterance decoded whole."""
@@ -597,9 +748,18 @@ class CodecDecoder:
         `lookback_frames` frames only, so only those run through them."""
         codes = np.asarray(codes, dtype=np.int64)
         with self._blas.limit(limits=threads or self.threads):
-            h = self.transformer(state.transformer, self.pre_conv(state.pre_conv, self.quantizer(codes)))
-            for _ in self._render(state, h[:, -self.lookback_frames :]):
+            h = self.transformer([state.transformer], self.pre_conv(state.pre_conv, self.quantizer(codes)))
+            for _ in self._render(_Streams.stack([state]), h[:, -self.lookback_frames :]):
                 pass
+
+    def _check(self, codes: np.ndarray) -> np.ndarray:
+        """One stream's codes [n, groups] as int64, checked."""
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape[1] != self.num_groups:
+            raise ValueError(f"codes must be [n, {self.num_groups}], got {codes.shape}")
+        if codes.size and codes.max() >= self.quantizer.codebook_size:
+            raise ValueError(f"codes must be < {self.quantizer.codebook_size}, got {codes.max()}")
+        return codes.astype(np.int64)
 
     @cached_property
     def lookback_frames(self) -> int:
@@ -619,29 +779,36 @@ class CodecDecoder:
         frames += self.post_conv.context / rate
         return math.ceil(frames)
 
-    def _forward(self, state: DecoderState, codes: np.ndarray) -> Iterator[np.ndarray]:
-        """The audio of the next frames, in consecutive pieces."""
-        h = self.pre_conv(state.pre_conv, self.quantizer(codes))
-        yield from self._render(state, self.transformer(state.transformer, h))
-
-    def _render(self, state: DecoderState, h: np.ndarray) -> Iterator[np.ndarray]:
-        """The audio of the transformer's output h [C, n], in consecutive pieces. Up to the first
-        decoder block a pass runs whole (the weights are large, the activations small); from
-        there on in pieces of at most PIECE_ELEMENTS output values per block, so that the
+    def _render(self, streams: _Streams, h: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """The audio of the transformer's output h [C, n * S] of S streams, in consecutive
+        pieces of each stream's: (stream, samples). The upsampling, the entry conv and the first
+        `JOINT_BLOCKS` decoder blocks run on all the streams' columns at once, the later blocks
+        (many columns, small weights: the multiplications are the cost) per stream. Up to the
+        first decoder block a pass runs whole (the weights are large, the activations small);
+        from there on in pieces of at most PIECE_ELEMENTS output values per block, so that the
         activations stay in the L2 cache. Every layer streams, so any split gives the same
         samples."""
-        for (up, convnext), (tail, context) in zip(self.upsample, state.upsample):
+        count = len(streams.states)
+        for (up, convnext), (tail, context) in zip(self.upsample, streams.upsample):
             h = convnext(context, up(tail, h))
-        pieces = [self.entry(state.entry, h)]
-        for block, block_state in zip(self.blocks, state.blocks):
-            step = max(1, PIECE_ELEMENTS // (block.up.c_out * block.up.s))
-            pieces = [
-                block(block_state, p[:, i : i + step]) for p in pieces for i in range(0, p.shape[1], step)
-            ]
-        for h in pieces:
-            n = h.shape[1]
-            self.post_act(h, out=state.post_conv.input(n))
-            yield np.clip(self.post_conv.run(state.post_conv, n).reshape(-1), -1.0, 1.0)
+        joint = _blocks(self.blocks[:JOINT_BLOCKS], streams.blocks, [self.entry(streams.entry, h)], count)
+        for s, state in enumerate(streams.states):
+            pieces = [p.reshape(p.shape[0], -1, count)[:, :, s] for p in joint]
+            for h in _blocks(self.blocks[JOINT_BLOCKS:], state.blocks[JOINT_BLOCKS:], pieces, 1):
+                n = h.shape[1]
+                self.post_act(h, out=state.post_conv.input(n))
+                yield s, np.clip(self.post_conv.run(state.post_conv, n).reshape(-1), -1.0, 1.0)
+
+
+def _blocks(
+    blocks: Sequence[DecoderBlock], states: Sequence[BlockState], pieces: list[np.ndarray], streams: int
+) -> list[np.ndarray]:
+    """Decoder blocks on consecutive pieces [C, t * streams] of their input: the output pieces,
+    of at most PIECE_ELEMENTS output values each (whole time steps)."""
+    for block, state in zip(blocks, states):
+        step = max(1, PIECE_ELEMENTS // (block.up.c_out * block.up.s * streams)) * streams
+        pieces = [block(state, p[:, i : i + step]) for p in pieces for i in range(0, p.shape[1], step)]
+    return pieces
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,15 +846,19 @@ def _count(f: GGUFFile, pattern: str) -> int:
 
 
 def _bench(argv: list[str] | None = None) -> None:
-    """`python -m kazeia_stream.engine.codec MMPROJ [FRAMES_PER_PUSH ...]`: ms per frame while
-    streaming. CPU time is what the process used; with other processes on the machine, wall
-    time is the larger."""
+    """`python -m kazeia_stream.engine.codec MMPROJ [FRAMES_PER_PUSH ...] [--streams S,...]`:
+    ms per frame while streaming, one stream pushing FRAMES_PER_PUSH frames per call, or S
+    streams pushing one frame each per call (ms per stream-frame). CPU time is what the
+    process used; with other processes on the machine, wall time is the larger."""
     import argparse
     import time
+    from collections.abc import Callable
+    from functools import partial
 
     ap = argparse.ArgumentParser(description=_bench.__doc__)
     ap.add_argument("mmproj")
-    ap.add_argument("per_push", nargs="*", type=int, default=[1, 4, 12])
+    ap.add_argument("per_push", nargs="*", type=int, help="default: 1 4 12 without --streams")
+    ap.add_argument("--streams", type=lambda v: [int(s) for s in v.split(",")], default=[])
     ap.add_argument("--frames", type=int, default=48, help="frames decoded per measurement")
     ap.add_argument("--repeat", type=int, default=3, help="measurements; the best is shown")
     ap.add_argument(
@@ -695,22 +866,38 @@ def _bench(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     dec = CodecDecoder(GGUFFile(args.mmproj), threads=args.threads)
-    codes = np.random.default_rng(0).integers(0, dec.quantizer.codebook_size, (args.frames, dec.num_groups))
-    for per in args.per_push:
-        dec.decode(codes[:per])  # warm up
+    size = (max(args.streams, default=1), args.frames, dec.num_groups)
+    codes = np.random.default_rng(0).integers(0, dec.quantizer.codebook_size, size)
+
+    def measure(label: str, run: Callable[[], None], frames: int) -> None:
+        run()  # warm up
         walls, cpus = [], []
         for _ in range(args.repeat):
-            state = dec.new_state()
             wall, cpu = time.perf_counter(), time.process_time()
-            for i in range(0, args.frames, per):
-                dec.push(state, codes[i : i + per])
-            walls.append((time.perf_counter() - wall) / args.frames * 1e3)
-            cpus.append((time.process_time() - cpu) / args.frames * 1e3)
+            run()
+            walls.append((time.perf_counter() - wall) / frames * 1e3)
+            cpus.append((time.process_time() - cpu) / frames * 1e3)
         print(
-            f"{per:3d} frames per push: {min(walls):6.1f} ms/frame wall (best of {args.repeat}; "
+            f"{label}: {min(walls):6.1f} ms/frame wall (best of {args.repeat}; "
             f"mean {np.mean(walls):.1f}), {min(cpus):6.1f} ms/frame cpu",
             flush=True,
         )
+
+    def one_stream(per: int) -> None:
+        state = dec.new_state()
+        for i in range(0, args.frames, per):
+            dec.push(state, codes[0, i : i + per])
+
+    def streams(count: int, frames: int) -> None:
+        states = [dec.new_state() for _ in range(count)]
+        for i in range(frames):
+            dec.push_many(states, list(codes[:count, i : i + 1]))
+
+    for per in args.per_push or ([] if args.streams else [1, 4, 12]):
+        measure(f"{per:3d} frames per push", partial(one_stream, per), args.frames)
+    for count in args.streams:
+        frames = max(1, args.frames // count)  # per stream: about --frames in all
+        measure(f"{count:3d} streams, 1 frame each per push", partial(streams, count, frames), frames * count)
 
 
 if __name__ == "__main__":
