@@ -46,7 +46,9 @@ def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(t
     rows_run = []
     forward = talker.lm.forward
     monkeypatch.setattr(
-        talker.lm, "forward", lambda embeds, *a: rows_run.append(len(embeds)) or forward(embeds, *a)
+        talker.lm,
+        "forward",
+        lambda embeds, *a, **kw: rows_run.append(len(embeds)) or forward(embeds, *a, **kw),
     )
     hello, other = (model.prompt(t, voice="ryan") for t in ("Hello there.", "Something else."))
     eric = model.prompt("Hello there.", voice="eric")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import gguf
@@ -268,8 +268,10 @@ class CodePredictor:
         threads: int,
         exact: bool = False,
         cores: SharedCores | None = None,
+        max_streams: int = 1,
     ) -> None:
         self.config = cfg
+        self.max_streams = max_streams
         self.n_groups = cfg.num_code_groups - 1
         self.vocab_size = cfg.vocab_size
         self._embd = _Table(f, L.CP_EMBD)  # [15, 2048, talker hidden]
@@ -293,7 +295,7 @@ class CodePredictor:
             cfg.hidden_size,
             cfg.vocab_size,
             1,
-            LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS, kv_f32=kv_f32),
+            LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS * max_streams, kv_f32=kv_f32, n_seq=max_streams),
             cores,
         )
 
@@ -318,30 +320,51 @@ class CodePredictor:
         # core libllama's second thread needs
         return np.einsum("oi,ni->no", weight, x) + bias
 
-    def _step(self, x: np.ndarray, codebook: int) -> np.ndarray:
-        """Feed rows x (talker width) after the frame's earlier inputs (codebook 1: the first
-        two rows at position 0, codebook j: one row at position j); logits of `codebook` at
-        the last row."""
+    def _step(self, parts: list[tuple[int, np.ndarray, int]], codebook: int) -> np.ndarray:
+        """Feed each stream's rows (talker width) after its frame's earlier inputs: parts are
+        (sequence, rows, position), codebook 1 the first two rows at position 0, codebook j one
+        row at position j; the logits of `codebook` at each part's last row [parts, vocab]."""
         self._output.data = self._heads.ctypes.data + (codebook - 1) * self._head_bytes
-        pos = 0 if codebook == 1 else codebook
-        return self._lm.forward(self._project(x), pos)[1]
+        projected = self._project(np.concatenate([rows for _, rows, _ in parts]))
+        ends = np.cumsum([len(rows) for _, rows, _ in parts])
+        pieces = np.split(projected, ends[:-1])
+        return self._lm.forward_many([(seq, x, pos) for (seq, _, pos), x in zip(parts, pieces)])[1]
 
     def predict(
         self, hidden: np.ndarray, code0: int, sample: Callable[[np.ndarray], int]
     ) -> tuple[np.ndarray, np.ndarray]:
         """Codes [16] (code0 then cb1..cb15) and the talker's next input embedding
         C_talker(code0) + sum_i cp.embd[i-1](cb_i) [talker hidden]; `sample(logits) -> code`."""
-        codes = np.empty(self.n_groups + 1, dtype=np.int64)
-        codes[0] = code0
-        x = np.stack([np.asarray(hidden, dtype=np.float32), self._talker_embd.row(int(code0))])
+        codes, embeds = self.predict_many(hidden[None], [code0], [sample])
+        return codes[0], embeds[0]
+
+    def predict_many(
+        self, hidden: np.ndarray, code0: Sequence[int], samplers: Sequence[Callable[[np.ndarray], int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`predict` for several streams at once (hidden [S, talker hidden], one code0 and one
+        sampler each), every pass one decode of all of them: codes [S, 16], embeddings [S, H].
+        Each stream is its own sequence, so its codes do not depend on the others."""
+        n = len(code0)
+        if n > self.max_streams:
+            raise ValueError(f"{n} streams > the code predictor's {self.max_streams}")
+        codes = np.empty((n, self.n_groups + 1), dtype=np.int64)
+        codes[:, 0] = code0
+        parts = [
+            (s, np.stack([np.asarray(hidden[s], dtype=np.float32), self._talker_embd.row(int(code0[s]))]), 0)
+            for s in range(n)
+        ]
         self._lm.clear(clear_data=False)
         for j in range(1, self.n_groups + 1):
-            code = int(sample(self._step(x, j)))
-            if not 0 <= code < self.vocab_size:
-                raise ValueError(f"sampled code {code} of codebook {j} is outside 0..{self.vocab_size - 1}")
-            codes[j] = code
-            x = self._embd.row(j - 1, code)[None]
-        return codes, self.embed(codes)
+            logits = self._step(parts, j)
+            for s in range(n):
+                code = int(samplers[s](logits[s]))
+                if not 0 <= code < self.vocab_size:
+                    raise ValueError(
+                        f"sampled code {code} of codebook {j} is outside 0..{self.vocab_size - 1}"
+                    )
+                codes[s, j] = code
+            parts = [(s, self._embd.row(j - 1, int(codes[s, j]))[None], j + 1) for s in range(n)]
+        return codes, np.stack([self.embed(c) for c in codes])
 
     def teacher_forced_logits(self, hidden: np.ndarray, codes: np.ndarray) -> np.ndarray:
         """[15, vocab]: codebook j's logits given codes 0..j-1 of the frame (the same decodes
@@ -351,7 +374,7 @@ class CodePredictor:
         logits = np.empty((self.n_groups, self.vocab_size), dtype=np.float32)
         self._lm.clear(clear_data=False)
         for j in range(1, self.n_groups + 1):
-            logits[j - 1] = self._step(x, j)
+            logits[j - 1] = self._step([(0, x, 0 if j == 1 else j)], j)[0]
             x = self._embd.row(j - 1, int(codes[j]))[None]
         return logits
 

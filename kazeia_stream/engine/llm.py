@@ -3,11 +3,16 @@
 One `llama_decode` gives both the final-norm hidden state (context `embeddings=True`, pooling
 none) and the logits of each requested position. The batch points straight at numpy buffers, with
 as many position rows per token as the architecture wants (4 for the talker's M-RoPE).
+
+A context holds `n_seq` sequences, each with its own KV cells (libllama's non-unified cache: one
+buffer of `n_ctx` positions per sequence, so a sequence's attention reads its own cells only),
+and one decode may feed rows of several sequences: the weights are read once for all of them.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +30,10 @@ class LMOptions:
     reference; F16 halves its memory."""
 
     threads: int
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # positions per sequence
     n_batch: int = 512
     kv_f32: bool = True
+    n_seq: int = 1
 
 
 class EmbeddingLM:
@@ -44,9 +50,11 @@ class EmbeddingLM:
         cores: SharedCores | None = None,
     ) -> None:
         p = llama_cpp.llama_context_default_params()
-        p.n_ctx = options.n_ctx
+        # libllama pads each sequence's cells to a multiple of 256
+        p.n_ctx = -(-options.n_ctx // 256) * 256 * options.n_seq
         p.n_batch = p.n_ubatch = options.n_batch
-        p.n_seq_max = 1
+        p.n_seq_max = options.n_seq
+        p.kv_unified = False
         p.n_threads = p.n_threads_batch = options.threads
         p.embeddings = True
         p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
@@ -59,16 +67,20 @@ class EmbeddingLM:
         self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
         self.threads = self._threads_set = options.threads
         self.cores = cores or SharedCores(options.threads)
-        self.n_ctx, self.n_batch = options.n_ctx, options.n_batch
+        self.n_ctx, self.n_batch, self.n_seq = options.n_ctx, options.n_batch, options.n_seq
+        if llama_cpp.llama_n_ctx_seq(self.ctx) < self.n_ctx:
+            raise RuntimeError(f"libllama gave {llama_cpp.llama_n_ctx_seq(self.ctx)} positions per sequence")
         self._n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
         # One batch struct and its arrays, reused by every decode: building them per call cost
         # ~0.1-0.2 ms, a tenth of a code-predictor pass.
-        self._seq = (ctypes.c_int32 * 1)(0)
+        self._seq = np.zeros(self.n_batch, dtype=np.int32)  # each row's sequence
         self._positions = np.zeros(self.n_batch * n_pos_per_token, dtype=np.int32)
         self._n_seq_id = np.ones(self.n_batch, dtype=np.int32)
         self._want = np.zeros(self.n_batch, dtype=np.int8)
-        seq = ctypes.cast(self._seq, ctypes.POINTER(ctypes.c_int32))
-        self._seq_ids = (ctypes.POINTER(ctypes.c_int32) * self.n_batch)(*([seq] * self.n_batch))
+        row_seq = ctypes.POINTER(ctypes.c_int32)
+        self._seq_ids = (row_seq * self.n_batch)(
+            *[ctypes.cast(self._seq.ctypes.data + 4 * i, row_seq) for i in range(self.n_batch)]
+        )
         self._batch = llama_cpp.llama_batch(
             n_tokens=0,
             token=None,
@@ -90,19 +102,21 @@ class EmbeddingLM:
         self.threads = threads
 
     def clear(self, clear_data: bool = True) -> None:
-        """Forget the KV cache.
+        """Forget the KV cache of every sequence.
 
         With `clear_data=False` only the cells are freed and the buffers keep stale values, which
         the attention mask hides (zeroing them costs ~0.1 ms per MiB of cache)."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), clear_data)
 
-    def keep(self, n: int) -> None:
-        """Keep the first `n` positions of the KV cache, so that a call can continue at n."""
-        if not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), -1, n, -1):
+    def keep(self, n: int, seq: int = 0) -> None:
+        """Keep the first `n` positions of sequence `seq`, so that a call can continue at n."""
+        if not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), seq, n, -1):
             raise RuntimeError("libllama could not shorten the KV cache")
 
-    def forward(self, embeds: np.ndarray, pos: int, outputs: str = "last") -> tuple[np.ndarray, np.ndarray]:
-        """Run rows `embeds` [n, H] at positions pos .. pos + n - 1.
+    def forward(
+        self, embeds: np.ndarray, pos: int, outputs: str = "last", seq: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run rows `embeds` [n, H] of sequence `seq` at positions pos .. pos + n - 1.
 
         Returns (hidden, logits) for the last row ([H], [n_logits]) or, with outputs="all",
         for every row ([n, H], [n, n_logits]). Logits are the last `n_logits` of the vocabulary.
@@ -113,22 +127,47 @@ class EmbeddingLM:
             raise RuntimeError(f"context full: {pos} + {n} positions > n_ctx {self.n_ctx}")
         hidden, logits = [], []
         for start in range(0, n, self.n_batch):
-            h, lg = self._decode(embeds[start : start + self.n_batch], pos + start, outputs == "last")
+            chunk = embeds[start : start + self.n_batch]
+            rows = range(len(chunk) - 1, len(chunk)) if outputs == "last" else range(len(chunk))
+            h, lg = self._decode(chunk, [(seq, pos + start, len(chunk))], rows)
             hidden.append(h)
             logits.append(lg)
         if outputs == "last":
             return hidden[-1][-1], logits[-1][-1]
         return np.concatenate(hidden), np.concatenate(logits)
 
-    def _decode(self, chunk: np.ndarray, pos: int, last_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    def forward_many(self, parts: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """One decode of several sequences' rows: `parts` are (seq, rows [n, H], pos); returns
+        (hidden [parts, H], logits [parts, n_logits]) at each part's last row."""
+        counts = [len(rows) for _, rows, _ in parts]
+        if sum(counts) > self.n_batch:
+            raise RuntimeError(f"{sum(counts)} rows in one decode > n_batch {self.n_batch}")
+        for _, rows, pos in parts:
+            if pos + len(rows) > self.n_ctx:
+                raise RuntimeError(f"context full: {pos} + {len(rows)} positions > n_ctx {self.n_ctx}")
+        embeds = np.concatenate([rows for _, rows, _ in parts]).astype(np.float32, copy=False)
+        last = np.cumsum(counts) - 1
+        return self._decode(embeds, [(seq, pos, n) for (seq, _, pos), n in zip(parts, counts)], last)
+
+    def _decode(
+        self, chunk: np.ndarray, spans: list[tuple[int, int, int]], rows: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Decode `chunk`, made of spans (seq, first position, row count) in order; the outputs
+        of `rows`."""
         threads = self.cores.threads(self.threads)
         if threads != self._threads_set:
             llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
             self._threads_set = threads
+        chunk = np.ascontiguousarray(chunk)
         n = len(chunk)
-        self._positions[: n * self.n_pos].reshape(self.n_pos, n)[:] = np.arange(pos, pos + n)
+        positions = self._positions[: n * self.n_pos].reshape(self.n_pos, n)
+        start = 0
+        for seq, pos, count in spans:
+            positions[:, start : start + count] = np.arange(pos, pos + count)
+            self._seq[start : start + count] = seq
+            start += count
         self._want[:n] = 0
-        self._want[n - 1 if last_only else slice(0, n)] = 1
+        self._want[list(rows)] = 1
         batch = self._batch
         batch.n_tokens = n
         # a float *, which llama_cpp's annotations declare as an array
@@ -137,7 +176,6 @@ class EmbeddingLM:
         batch.embd = None  # type: ignore[assignment]
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc})")
-        rows = [n - 1] if last_only else range(n)
         hidden = np.empty((len(rows), self.n_embd), dtype=np.float32)
         logits = np.empty((len(rows), self.n_logits), dtype=np.float32)
         skip = (self._n_vocab - self.n_logits) * 4
