@@ -1,11 +1,14 @@
-"""A conversational loop: speak an LLM's reply while it is being written, and barge in.
+"""A conversational loop: speak an LLM's reply while it is being written, and barge in; then
+two agents talking at once.
 
     python examples/conversation.py --model MODEL_DIR [--barge-in-after 1.5] [--out-dir DIR]
 
 The "LLM" is simulated: it yields a reply a few characters at a time, at about the pace of a
 local model. Speech starts after its first words. The second reply is interrupted (barge-in)
 after `--barge-in-after` seconds of audio, and the session goes straight on with the third.
-Audio is written as WAV files, so this runs without a sound card.
+Then two sessions with two voices (a CustomVoice model's first two speakers) speak over each
+other, generated together on the one runtime, into the two channels of `duet.wav`. Audio is
+written as WAV files, so this runs without a sound card.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import soundfile as sf
 import trio
 
 import kazeia_stream
+from kazeia_stream.channels import UtteranceMetrics
 
 REPLIES = [
     "Sure! The weather tomorrow looks sunny, with a light breeze in the afternoon.",
@@ -35,9 +39,44 @@ async def llm_reply(text: str, chars_per_piece: int = 4, delay: float = 0.03):
         yield text[i : i + chars_per_piece]
 
 
+DUET = [
+    "I think we should leave early, before the traffic on the bridge gets heavy.",
+    "Early? The concert does not start until eight, we have plenty of time.",
+]
+
+
+async def speak(tts: kazeia_stream.Session, text: str) -> tuple[np.ndarray, UtteranceMetrics]:
+    utterance = tts.speak(llm_reply(text))
+    pcm = [chunk.pcm async for chunk in utterance]
+    return np.concatenate(pcm), utterance.metrics
+
+
+async def duet(runtime: kazeia_stream.Runtime, voices: list[str], path: Path) -> None:
+    """Two agents at once: each its own session and voice, both speaking at the same time."""
+    spoken: dict[int, tuple[np.ndarray, UtteranceMetrics]] = {}
+
+    async def agent(k: int) -> None:
+        async with runtime.open(voice=voices[k], seed=10 + k) as tts:
+            spoken[k] = await speak(tts, DUET[k])
+
+    async with trio.open_nursery() as nursery:
+        for k in range(2):
+            nursery.start_soon(agent, k)
+    n = max(len(spoken[k][0]) for k in range(2))
+    stereo = np.zeros((n, 2), np.float32)
+    for k in range(2):
+        stereo[: len(spoken[k][0]), k] = spoken[k][0]
+    sf.write(path, stereo, runtime.model.sample_rate)
+    (_, a), (_, b) = spoken[0], spoken[1]
+    assert a.first_audio and b.first_audio and a.finished and b.finished
+    together = min(a.finished, b.finished) - max(a.first_audio, b.first_audio)
+    print(f"duet: {voices[0]} and {voices[1]} spoke together for {max(together, 0):.2f} s -> {path}")
+
+
 async def main(model_dir: str, barge_in_after: float, out_dir: Path) -> None:
     model = kazeia_stream.load_model(model_dir)
-    runtime = await kazeia_stream.Runtime.create(model)  # loads the engines off the event loop
+    # two streams at once for the duet; loads the engines off the event loop
+    runtime = await kazeia_stream.Runtime.create(model, max_streams=2)
     out_dir.mkdir(parents=True, exist_ok=True)
     async with runtime.open(voice=model.default_voice, seed=1) as tts:
         for turn, reply in enumerate(REPLIES):
@@ -57,6 +96,8 @@ async def main(model_dir: str, barge_in_after: float, out_dir: Path) -> None:
                 f"turn {turn}: {len(audio) / model.sample_rate:.2f} s of audio, first audio after "
                 f"{m.ttfa_s:.2f} s, {'cancelled' if m.cancelled else 'complete'} -> {path}"
             )
+    if len(model.voices) >= 2:
+        await duet(runtime, model.voices[:2], out_dir / "duet.wav")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Generates exactly N frames (EOS ignored) for a fixed sentence, pushing the decoder one frame at
 a time as a live stream would, and reports figures a user can compare across machines and types.
+`--streams N` runs N such utterances at once on one runtime (`run_streams_bench`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import time
 from typing import Any
 
 import numpy as np
+import trio
 
+from .channels import UtteranceMetrics
 from .engine.frames import GenerationOptions
 from .model.model import VoiceArg
 from .runtime import Runtime
@@ -137,3 +140,82 @@ def run_bench(runtime: Runtime, frames: int, voice: VoiceArg = None, seed: int =
         t.code_predictor,
         decoder_s,
     )
+
+
+async def _stream(
+    runtime: Runtime, frames: int, voice: VoiceArg, seed: int, started: trio.Event | None = None
+) -> UtteranceMetrics:
+    """One utterance of exactly `frames` frames in its own session; sets `started` at its first
+    audio."""
+    async with runtime.open(voice=voice, seed=seed, max_frames=frames, ignore_eos=True) as tts:
+        utterance = tts.speak(BENCH_TEXT)
+        async for _chunk in utterance:
+            if started is not None:
+                started.set()
+        return utterance.metrics
+
+
+async def _together(
+    runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int
+) -> dict[str, Any]:
+    """`streams` utterances started at once: their time to first audio, real-time factor and
+    the audio seconds made per wall second by all of them."""
+    metrics: list[UtteranceMetrics] = []
+
+    async def one(i: int) -> None:
+        metrics.append(await _stream(runtime, frames, voice, seed + i))
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(one, i)
+    wall = time.perf_counter() - start
+    ttfa = [m.ttfa_s or 0.0 for m in metrics]
+    return {
+        "streams": streams,
+        "frames": frames,
+        "ttfa_s_p50": round(float(np.percentile(ttfa, 50)), 3),
+        "ttfa_s_p95": round(float(np.percentile(ttfa, 95)), 3),
+        "rtf_per_stream": round(statistics.median((m.wall_s or 0.0) / m.audio_s for m in metrics), 3),
+        "aggregate_audio_s_per_s": round(sum(m.audio_s for m in metrics) / wall, 3),
+        "wall_s": round(wall, 3),
+    }
+
+
+async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int) -> float:
+    """Time to first audio of a stream that joins `streams - 1` running ones."""
+    result: list[float] = []
+    async with trio.open_nursery() as nursery:
+        running = []
+        for i in range(streams - 1):
+            running.append(trio.Event())
+            nursery.start_soon(_stream, runtime, frames, voice, seed + i, running[-1])
+        for event in running:
+            await event.wait()
+
+        async def joiner() -> None:
+            result.append((await _stream(runtime, frames, voice, seed + streams)).ttfa_s or 0.0)
+
+        nursery.start_soon(joiner)
+    return result[0]
+
+
+async def run_streams_bench(
+    runtime: Runtime, frames: int, streams: int, repeat: int = 1, voice: VoiceArg = None, seed: int = 0
+) -> dict[str, Any]:
+    """`streams` utterances of `frames` frames started together, `repeat` times (medians),
+    after a warm-up round that leaves every talker slot holding the session's fixed rows; then
+    the time to first audio of a stream alone and of one that joins `streams - 1` running ones."""
+    voice = voice or runtime.model.default_voice
+    await _together(runtime, 2, streams, voice, seed)
+    results = [await _together(runtime, frames, streams, voice, seed) for _ in range(repeat)]
+    result = median(results)
+    result["solo_ttfa_s"] = statistics.median(
+        [(await _stream(runtime, 2, voice, seed)).ttfa_s or 0.0 for _ in range(repeat)]
+    )
+    if streams > 1:
+        result["join_ttfa_s"] = statistics.median(
+            [await _joining(runtime, frames, streams, voice, seed) for _ in range(repeat)]
+        )
+    result["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    return result

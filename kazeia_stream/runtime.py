@@ -1,12 +1,13 @@
 """The runtime: one set of engines for a model, and every way of speaking with them.
 
 A `Runtime` owns the talker, the code predictor and the codec decoder of one model (one copy of
-the weights), their thread settings and warm-up, and the turns that let one utterance at a time
-use them, whichever session or thread asks. Offline synthesis (`synthesize`, `audio`) and live
-sessions (`open`) are its methods; the model below it only reads files.
+the weights), their thread settings and warm-up, and the schedule (`scheduler`) on which up to
+`max_streams` utterances share them, whichever session, thread or request asks: every stream's
+next frame is generated, and decoded, in shared passes. Offline synthesis (`synthesize`,
+`audio`) and live sessions (`open`) are its methods; the model below it only reads files.
 
     model = kazeia_stream.load_model("models/0.6b-cv")
-    runtime = kazeia_stream.Runtime(model)             # or: await Runtime.create(model)
+    runtime = kazeia_stream.Runtime(model, max_streams=4)   # or: await Runtime.create(model)
     audio, rate = runtime.synthesize("Hello there.", voice="ryan")
     async with runtime.open(voice="ryan") as tts: ...
 """
@@ -14,7 +15,6 @@ sessions (`open`) are its methods; the model below it only reads files.
 from __future__ import annotations
 
 import copy
-import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -37,6 +37,7 @@ from .model.model import VoiceArg
 from .model.prompt import Prompt
 from .model.segments import split_text
 from .model.voice import Voice
+from .scheduler import Admission, Decoder, Generator
 from .session import Session, single_errors
 
 # A segment shorter than this many bytes could not hold a sentence: the instruction is too long.
@@ -47,29 +48,39 @@ class Runtime:
     """The engines of one model, created once (weights loaded, warmed up) and shared by every
     session and call on it."""
 
-    def __init__(self, model: Model, threads: Threads | None = None) -> None:
+    def __init__(self, model: Model, threads: Threads | None = None, max_streams: int = 1) -> None:
+        if max_streams < 1:
+            raise UsageError(f"max_streams must be at least 1, not {max_streams}")
         self.model = model
         self.threads = threads or Threads.default()
-        # the decoder actor holds some while it runs beside the talker and code predictor
+        self.max_streams = max_streams
+        # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        self.talker = Talker(model.llama_model.ptr, cfg.talker, LMOptions(self.threads.talker), self.cores)
+        self.talker = Talker(
+            model.llama_model.ptr, cfg.talker, LMOptions(self.threads.talker, n_seq=max_streams), self.cores
+        )
         self.code_predictor = CodePredictor(
-            model.mmproj_file, cfg.code_predictor, self.threads.code_predictor, cores=self.cores
+            model.mmproj_file,
+            cfg.code_predictor,
+            self.threads.code_predictor,
+            cores=self.cores,
+            max_streams=max_streams,
         )
         self.codec = CodecDecoder(model.mmproj_file, self.threads.decoder)
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
-        self._engines = threading.Lock()  # held by the utterance using the engines
+        self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
+        self.generator = Generator(self.frames)
+        self.decoder = Decoder(self.codec, self.cores, lambda: self.admission.active)
         # the decoder state after each in-context voice's reference frames
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
-        self._turns = trio.Lock()  # sessions queue here, in order, before taking the engines
         self._warm_up()
 
     @classmethod
-    async def create(cls, model: Model, threads: Threads | None = None) -> Runtime:
+    async def create(cls, model: Model, threads: Threads | None = None, max_streams: int = 1) -> Runtime:
         """Build the runtime in a worker thread: loading and warming the engines takes seconds,
         which must not block an event loop."""
-        return await trio.to_thread.run_sync(lambda: cls(model, threads))
+        return await trio.to_thread.run_sync(lambda: cls(model, threads, max_streams))
 
     def _warm_up(self) -> None:
         """One throw-away step through every engine, so that the first utterance does not pay
@@ -79,32 +90,33 @@ class Runtime:
         self.code_predictor.predict(hidden, 0, lambda logits: 0)
         self.codec.decode(np.zeros((1, self.model.config.codec.num_quantizers), dtype=np.int64))
 
-    # -- turns on the engines ----------------------------------------------------------------
+    # -- streams on the engines --------------------------------------------------------------
 
     @contextmanager
-    def _hold(self) -> Iterator[None]:
-        """The engines, for a synchronous caller (blocking while another thread uses them)."""
-        if not self._engines.acquire(blocking=not _in_trio()):
-            raise UsageError(
-                "the engines are busy with a session on this event loop: speak "
-                "through a session, or call synthesize from a worker thread"
-            )
+    def _stream_sync(self) -> Iterator[None]:
+        """A place among the streams, for a synchronous caller (blocking while all are taken)."""
+        if _in_trio():
+            if not self.admission.try_acquire():
+                raise UsageError(
+                    "the engines are busy with sessions on this event loop: speak "
+                    "through a session, or call synthesize from a worker thread"
+                )
+        else:
+            self.admission.acquire_sync()
         try:
             yield
         finally:
-            self._engines.release()
+            self.admission.release()
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """The engines, for a task: tasks queue in order; a synchronous caller in another thread
-        is waited for without blocking the event loop."""
-        async with self._turns:
-            while not self._engines.acquire(blocking=False):
-                await trio.sleep(0.01)
-            try:
-                yield
-            finally:
-                self._engines.release()
+    async def stream(self) -> AsyncIterator[None]:
+        """A place among the `max_streams` streams, for a task: beyond them, callers wait in
+        the order they asked."""
+        await self.admission.acquire()
+        try:
+            yield
+        finally:
+            self.admission.release()
 
     # -- prompts and segments ----------------------------------------------------------------
 
@@ -128,8 +140,9 @@ class Runtime:
     def prepare(self, probe: Prompt, voice: VoiceArg = None) -> None:
         """Compute the rows that every utterance of a session starts with (instruction, role,
         voice, language), so that even its first utterance only computes its text's rows, and
-        prime the decoder with an in-context voice's reference."""
-        self.talker.prefill(TalkerState(), probe.prefill, probe.n_fixed)
+        prime the decoder with an in-context voice's reference. Runs between the passes of
+        other streams, in a free talker slot (none free: the utterance computes them)."""
+        self.generator.prepare(probe)
         self.decoder_state(voice)
 
     def decoder_state(self, voice: VoiceArg) -> DecoderState:
@@ -142,7 +155,8 @@ class Runtime:
         primed = self._primed.get(voice)
         if primed is None:
             primed = self.codec.new_state()
-            self.codec.prime(primed, voice.ref_codes, self.threads.cores)
+            codes = voice.ref_codes
+            self.decoder.call(lambda: self.codec.prime(primed, codes, self.threads.cores))
             self._primed[voice] = primed
         return copy.deepcopy(primed)
 
@@ -183,15 +197,19 @@ class Runtime:
         if not segments:
             raise EmptyTextError("the text is empty")
         rng = np.random.default_rng(options.seed)
-        with self._hold():
+        with self._stream_sync():
             for segment in segments:
                 prompt = self.model.prompt(
                     segment, voice=voice, language=language, instruct=instruct, text_streaming=text_streaming
                 )
-                state = self.frames.start(prompt, self.model.text_feed(prompt), options, rng)
-                decoder = self.decoder_state(voice)
-                while (codes := self.frames.next_frame(state)) is not None:
-                    yield self.codec.push(decoder, codes[None])
+                state = self.generator.start(prompt, self.model.text_feed(prompt), options, rng)
+                try:
+                    decoder, first = self.decoder_state(voice), True
+                    while (codes := self.generator.next_frame_sync(state)) is not None:
+                        yield self.decoder.decode_sync(decoder, codes[None], first)
+                        first = False
+                finally:
+                    self.generator.finish(state)
 
     def synthesize(
         self,
@@ -238,8 +256,7 @@ class Runtime:
         options = GenerationOptions(**generation)
         probe = self.probe(voice, language, instruct)
         max_bytes = self.max_segment_bytes(probe)
-        async with self.turn():
-            await trio.to_thread.run_sync(self.prepare, probe, voice)
+        await trio.to_thread.run_sync(self.prepare, probe, voice)
         with single_errors():
             async with trio.open_nursery() as nursery:
                 session = Session(

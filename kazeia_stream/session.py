@@ -90,7 +90,8 @@ class Utterance:
 
 class Session:
     """A voice ready to speak utterance after utterance, in the order they were asked for;
-    made by `Runtime.open`. Sessions on one runtime take turns on its engines."""
+    made by `Runtime.open`. Sessions on one runtime share its engines: up to its `max_streams`
+    utterances are generated together, frame by frame; the others wait in order."""
 
     def __init__(
         self,
@@ -146,7 +147,7 @@ class Session:
             try:
                 async with utterance._send:
                     if not utterance.metrics.cancelled:
-                        async with self.runtime.turn():
+                        async with self.runtime.stream():
                             await self._speak(utterance)
             finally:
                 self._pending.popleft()
@@ -182,7 +183,7 @@ class Session:
             nursery.start_soon(
                 generate_frames,
                 self.model,
-                rt.frames,
+                rt.generator,
                 make_prompt,
                 self.model.text_needed(self.voice) if self.text_streaming else None,
                 utt.options,
@@ -193,9 +194,8 @@ class Session:
             )
             nursery.start_soon(
                 decode_frames,
-                rt.codec,
+                rt.decoder,
                 lambda: rt.decoder_state(self.voice),
-                rt.cores,
                 frame_recv,
                 utt._send.clone(),
                 utt.metrics,

@@ -18,7 +18,7 @@ BELOW = {
     "model": {"errors", "ggml_lib"},
     "engine": {"errors", "ggml_lib", "model"},
     "channels": {"errors", "engine"},
-    "stages": {"errors", "model", "engine", "channels"},
+    "stages": {"errors", "model", "engine", "channels", "scheduler"},
 }
 
 
@@ -44,6 +44,11 @@ def test_each_layer_imports_only_from_below(layer):
     for path in sorted((PACKAGE / layer).glob("*.py")):
         imported = package_imports(path) - {layer, "__future__"}
         assert imported <= BELOW[layer], f"{path.name} imports {sorted(imported - BELOW[layer])}"
+
+
+def test_the_scheduler_sits_on_the_engines():
+    """It schedules the engines for the actors above it, and knows nothing of sessions."""
+    assert package_imports(PACKAGE / "scheduler.py") - {"__future__"} <= {"errors", "engine", "model"}
 
 
 @pytest.mark.subprocess

@@ -4,8 +4,9 @@ app (Starlette) on Hypercorn's trio worker, over one `Runtime`.
 Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/audio/voices`,
 `POST /v1/audio/speech`, WebSocket `/v1/audio/speech/stream` (the protocol is in README).
 Audio leaves as it is produced. Errors are OpenAI's JSON shape (`{"error": {"message", "type",
-"param", "code"}}`) with their status. The engines speak one utterance at a time; requests beyond
-that wait in order, up to `max_queue` of them; more get 503 with Retry-After.
+"param", "code"}}`) with their status. The runtime speaks up to its `max_streams` utterances at
+once, generated together; requests beyond them wait in order, up to `max_queue` of them; more
+get 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ class ApiError(Exception):
 
 
 class Admission:
-    """Requests in flight: at most one speaking and `max_queue` waiting; beyond, 503. Also
-    counts every stream speaking (WebSocket utterances too), which a shutdown waits for."""
+    """Requests in flight: at most `speaking` speaking and `max_queue` waiting; beyond, 503.
+    Also counts every stream speaking (WebSocket utterances too), which a shutdown waits for."""
 
-    def __init__(self, max_queue: int) -> None:
-        self.limit = 1 + max_queue
+    def __init__(self, speaking: int, max_queue: int) -> None:
+        self.limit = speaking + max_queue
         self.in_flight = 0
         self.streams = 0
         self.stopping = False
@@ -131,7 +132,7 @@ class SpeechServer:
 
     def __init__(self, runtime: Runtime, voices: ServerVoices, api_key: str | None, max_queue: int) -> None:
         self.runtime, self.voices, self.api_key = runtime, voices, api_key
-        self.admission = Admission(max_queue)
+        self.admission = Admission(runtime.max_streams, max_queue)
         self.model_id = runtime.model.identity
         self.app: ASGIApp = _Guard(
             Starlette(

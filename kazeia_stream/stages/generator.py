@@ -1,4 +1,4 @@
-"""Generator actor: the talker and the code predictor, one frame per worker-thread call."""
+"""Generator actor: an utterance's frames, from the passes of the runtime's generator."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import numpy as np
 import trio
 
 from ..channels import Frame, TextTokens, UtteranceMetrics
-from ..engine.frames import FrameLoop, FrameState, GenerationOptions
+from ..engine.frames import FrameState, GenerationOptions
 from ..model import Model
 from ..model.prompt import Prompt
+from ..scheduler import Generator
 
 
 async def generate_frames(
     model: Model,
-    loop: FrameLoop,
+    loop: Generator,
     make_prompt: Callable[[list[int], bool], Prompt],
     text_needed: int | None,
     options: GenerationOptions,
@@ -31,8 +32,8 @@ async def generate_frames(
     generator seeded with `options.seed`.
 
     After the first frame it waits for `first_audio`: the first decode, which audio cannot start
-    without, then has the machine to itself (on 2 cores: 0.17 s instead of 0.27-0.45 s beside
-    the next frame's generation, which shares the cores and the memory bandwidth).
+    without, then does not share the cores with this utterance's next frame (alone on 2 cores:
+    0.17 s instead of 0.27-0.45 s beside the next frame's generation).
 
     In streaming mode the talker starts once `text_needed` tokens are known (1; more for an
     in-context voice, whose prompt aligns the text with the reference frames); when it needs a
@@ -46,12 +47,13 @@ async def generate_frames(
     async with tokens, out:
         while (start := await _segment_start(tokens, text_needed)) is not None:
             prompt = make_prompt(*start)
-            state = await trio.to_thread.run_sync(loop.start, prompt, model.text_feed(prompt), options, rng)
+            state = loop.start(prompt, model.text_feed(prompt), options, rng)
             try:
                 index = await _frames(loop, state, index, tokens, out, metrics, first_audio)
-                await _skip_rest(state, tokens)
             finally:
+                loop.finish(state)
                 metrics.add_times(state.times)
+            await _skip_rest(state, tokens)
 
 
 async def _segment_start(
@@ -72,7 +74,7 @@ async def _segment_start(
 
 
 async def _frames(
-    loop: FrameLoop,
+    loop: Generator,
     state: FrameState,
     index: int,
     tokens: trio.MemoryReceiveChannel[TextTokens],
@@ -87,7 +89,7 @@ async def _frames(
             msg = await tokens.receive()
             state.text.add(msg.ids, msg.segment_end)
         start = time.perf_counter()
-        codes = await trio.to_thread.run_sync(loop.next_frame, state)
+        codes = await loop.next_frame(state)
         if codes is None:
             return index
         metrics.generator.add(index, start, time.perf_counter())

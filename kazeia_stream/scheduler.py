@@ -1,0 +1,366 @@
+"""The engines' schedule: every stream's frames generated and decoded in shared passes.
+
+A runtime's streams (utterances being spoken, from any session, thread or server request) do
+not take turns for a whole utterance: each asks for its next frame, and a generator thread runs
+one pass (`FrameLoop.next_frames`: one talker decode and one set of code-predictor passes) over
+every stream that asked since the last pass; a decoder thread likewise decodes the next frame of
+every stream that has one in one `CodecDecoder.push_many`. Generating a frame is bound by
+reading the weights, so a pass over several streams costs little more than one.
+
+- Admission: at most `max_streams` streams hold talker slots; the others wait in order (FIFO).
+- Continuous batching: a stream joins or leaves between passes; a pass waits up to `GATHER_S`
+  for the streams of the previous pass to ask again, so that they stay in step.
+- First audio first: a stream's first frame is decoded in a pass of its own, ahead of other
+  streams' later frames, so that its time to first audio stays short.
+- Calls that need the engines alone (a session's prefix rows, a voice's decoder priming) run
+  between passes, in the engines' thread.
+
+Callers wait in a thread (`*_sync`) or in a trio task; a cancelled task withdraws its request
+(a pass that already took it finishes, and its result is dropped). The threads exit when idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import trio
+
+from .engine.codec import CodecDecoder, DecoderState
+from .engine.frames import FrameLoop, FrameState
+from .engine.threads import SharedCores
+from .model.prompt import Prompt
+
+# How long a pass waits for the streams of the previous pass to ask again (their tasks hand the
+# frame on first): much less than a pass (>= 0.1 s), enough for a thread or task switch.
+GATHER_S = 0.004
+IDLE_EXIT_S = 1.0  # an engine thread with nothing to do for this long exits
+
+T = TypeVar("T")
+R = TypeVar("R")
+Item = TypeVar("Item")
+
+
+@dataclass
+class PassStats:
+    """How full the passes were: passes run, streams served over all of them, the most in one."""
+
+    passes: int = 0
+    served: int = 0
+    widest: int = 0
+
+    def add(self, n: int) -> None:
+        self.passes += 1
+        self.served += n
+        self.widest = max(self.widest, n)
+
+
+class _Result(Generic[T]):
+    """A value handed from an engine thread to a caller waiting in a thread or a trio task."""
+
+    def __init__(self, in_trio: bool) -> None:
+        self._done = threading.Event()
+        self._trio = (trio.lowlevel.current_trio_token(), trio.Event()) if in_trio else None
+        self.value: T | None = None
+        self.error: BaseException | None = None
+
+    def set(self, value: T | None = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+        self._done.set()
+        if self._trio is not None:
+            token, event = self._trio
+            with contextlib.suppress(trio.RunFinishedError):  # the waiter's event loop has gone
+                token.run_sync_soon(event.set)
+
+    def _get(self) -> T:
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+    def wait(self) -> T:
+        self._done.wait()
+        return self._get()
+
+    async def wait_async(self) -> T:
+        assert self._trio is not None
+        await self._trio[1].wait()
+        return self._get()
+
+
+class _Passes(Generic[Item, T]):
+    """A thread that runs passes over the items queued since the last pass, and calls that
+    need the engines alone between them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._queue: list[tuple[Item, _Result[T]]] = []
+        self._calls: deque[tuple[Callable[[], Any], _Result[Any]]] = deque()
+        self._running: list[Item] = []
+        self._expected: Sequence[object] = []  # streams of the last pass that go on
+        self._thread: threading.Thread | None = None
+        self.stats = PassStats()
+
+    # -- callers --------------------------------------------------------------------------------
+
+    def _submit(self, item: Item, result: _Result[T]) -> None:
+        with self._cond:
+            self._queue.append((item, result))
+            self._wake()
+
+    def _withdraw(self, result: _Result[T]) -> None:
+        with self._cond:
+            self._queue = [(i, r) for i, r in self._queue if r is not result]
+
+    async def _ask(self, item: Item) -> T:
+        result: _Result[T] = _Result(in_trio=True)
+        self._submit(item, result)
+        try:
+            return await result.wait_async()
+        except BaseException:
+            self._withdraw(result)
+            raise
+
+    def call(self, fn: Callable[[], R]) -> R:
+        """Run `fn` in the engines' thread between passes, and wait for it (from a thread)."""
+        result: _Result[R] = _Result(in_trio=False)
+        with self._cond:
+            self._calls.append((fn, result))
+            self._wake()
+        return result.wait()
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    # -- the thread -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                idle_since = time.monotonic()
+                while not (self._queue or self._calls):
+                    if time.monotonic() - idle_since > IDLE_EXIT_S:
+                        self._thread = None
+                        return
+                    self._cond.wait(IDLE_EXIT_S)
+                if self._calls:
+                    fn, call_result = self._calls.popleft()
+                    batch = None
+                else:
+                    self._gather()
+                    batch = self._take()
+                    self._running = [item for item, _ in batch]
+                    self.stats.add(len(batch))
+            if batch is None:
+                try:
+                    call_result.set(fn())
+                except BaseException as exc:  # handed to the caller
+                    call_result.set(error=exc)
+                continue
+            try:
+                self._pass(batch)
+            except BaseException as exc:  # every stream of the pass gets the error
+                for _, result in batch:
+                    result.set(error=exc)
+            finally:
+                with self._cond:
+                    self._running = []
+
+    def _gather(self) -> None:
+        """Wait (briefly) for the streams of the last pass that go on to ask again."""
+        deadline = time.monotonic() + GATHER_S
+        while (left := deadline - time.monotonic()) > 0:
+            queued = {id(self._stream(item)) for item, _ in self._queue}
+            if all(id(stream) in queued for stream in self._expected):
+                return
+            self._cond.wait(left)
+
+    def _stream(self, item: Item) -> object:
+        """The stream an item belongs to."""
+        return item
+
+    def _take(self) -> list[tuple[Item, _Result[T]]]:
+        batch, self._queue = self._queue, []
+        return batch
+
+    def _pass(self, batch: list[tuple[Item, _Result[T]]]) -> None:
+        raise NotImplementedError
+
+
+class Generator(_Passes[FrameState, "np.ndarray | None"]):
+    """Frames of every stream, in shared passes of the frame loop."""
+
+    def __init__(self, frames: FrameLoop) -> None:
+        super().__init__("kazeia-generator")
+        self.frames = frames
+        self._others = False  # the pass being taken leaves other streams waiting
+
+    def start(self, *args: Any) -> FrameState:
+        """`FrameLoop.start` (takes a talker slot)."""
+        with self._cond:
+            return self.frames.start(*args)
+
+    def finish(self, state: FrameState) -> None:
+        """The stream has ended or left: its slot is free at once (a pass that holds it still
+        ends it; the slot's next stream starts from its prefill in a later pass)."""
+        with self._cond:
+            self.frames.finish(state)
+
+    def prepare(self, prompt: Prompt) -> None:
+        """Compute a session's fixed rows ahead, between passes, in a slot free at that moment
+        (none: its utterances will). A stream that takes the slot meanwhile begins in a later
+        pass, which keeps or recomputes the rows."""
+
+        def prepare() -> None:
+            with self._cond:
+                seq = self.frames.slot_for(prompt, take=False)
+            if seq is not None:
+                self.frames.prepare(prompt, seq)
+
+        self.call(prepare)
+
+    async def next_frame(self, state: FrameState) -> np.ndarray | None:
+        """The stream's next frame (`FrameLoop.next_frame`), from the next pass it is in."""
+        return await self._ask(state)
+
+    def next_frame_sync(self, state: FrameState) -> np.ndarray | None:
+        result: _Result[np.ndarray | None] = _Result(in_trio=False)
+        self._submit(state, result)
+        return result.wait()
+
+    def _take(self) -> list[tuple[FrameState, _Result[np.ndarray | None]]]:
+        """Streams that have not begun alone, when there are any (their first frame comes ahead
+        of the others' later ones; a prefill of several pieces goes on beside the others), else
+        every queued stream."""
+        new = [(s, r) for s, r in self._queue if s.prefill is None]
+        if not new:
+            return super()._take()
+        self._queue = [(s, r) for s, r in self._queue if s.prefill is not None]
+        self._others = bool(self._queue or self._expected)
+        return new
+
+    def _pass(self, batch: list[tuple[FrameState, _Result[np.ndarray | None]]]) -> None:
+        states = [state for state, _ in batch]
+        codes = self.frames.next_frames(states, others=self._others)
+        self._others = False
+        going = []
+        with self._cond:
+            for (state, result), c in zip(batch, codes):
+                if state.prefilling and not state.done:  # no frame yet: in the next pass again
+                    self._queue.insert(0, (state, result))
+                else:
+                    result.set(c)
+                    if c is not None:
+                        going.append(state)
+            self._expected = going
+
+
+class _Decode:
+    """One stream's request: its decoder state and next frame's codes [1, groups]."""
+
+    def __init__(self, state: DecoderState, codes: np.ndarray, first: bool) -> None:
+        self.state, self.codes, self.first = state, codes, first
+
+
+class Decoder(_Passes[_Decode, np.ndarray]):
+    """PCM of every stream's next frame, in shared passes of the codec decoder. While a pass
+    runs, it holds `threads` of the cores that libllama's calls share (`SharedCores`)."""
+
+    def __init__(self, codec: CodecDecoder, cores: SharedCores, streams: Callable[[], int]) -> None:
+        super().__init__("kazeia-decoder")
+        self.codec, self.cores, self.streams = codec, cores, streams
+
+    async def decode(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
+        """The audio of the stream's next frame; `first`: its first, decoded ahead of others."""
+        return await self._ask(_Decode(state, codes, first))
+
+    def decode_sync(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
+        result: _Result[np.ndarray] = _Result(in_trio=False)
+        self._submit(_Decode(state, codes, first), result)
+        return result.wait()
+
+    def _take(self) -> list[tuple[_Decode, _Result[np.ndarray]]]:
+        """First frames alone when there are any, else every queued frame."""
+        firsts = [(d, r) for d, r in self._queue if d.first]
+        if not firsts:
+            return super()._take()
+        self._queue = [(d, r) for d, r in self._queue if not d.first]
+        return firsts
+
+    def _pass(self, batch: list[tuple[_Decode, _Result[np.ndarray]]]) -> None:
+        # a first frame with no other stream running gets every core: nothing else can be heard
+        alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
+        threads = self.cores.count if alone else self.codec.threads
+        with self.cores.lend(threads):
+            pcm = self.codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads)
+        with self._cond:
+            for (_, result), p in zip(batch, pcm):
+                result.set(p)
+            self._expected = [d.state for d, _ in batch]
+
+    def _stream(self, item: _Decode) -> object:
+        return item.state
+
+
+class Admission:
+    """At most `n` streams at once; the others wait in the order they asked (a trio task or
+    a thread)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.active = 0
+        self._lock = threading.Lock()
+        self._waiting: deque[_Result[None]] = deque()
+
+    def _try(self, result: _Result[None]) -> bool:
+        with self._lock:
+            if self.active < self.n and not self._waiting:
+                self.active += 1
+                return True
+            self._waiting.append(result)
+            return False
+
+    def try_acquire(self) -> bool:
+        """A place now, if one is free and nobody waits for one."""
+        with self._lock:
+            if self.active < self.n and not self._waiting:
+                self.active += 1
+                return True
+            return False
+
+    def acquire_sync(self) -> None:
+        result: _Result[None] = _Result(in_trio=False)
+        if not self._try(result):
+            result.wait()
+
+    async def acquire(self) -> None:
+        result: _Result[None] = _Result(in_trio=True)
+        if self._try(result):
+            return
+        try:
+            await result.wait_async()
+        except BaseException:
+            with self._lock:
+                granted = result not in self._waiting
+                if not granted:
+                    self._waiting.remove(result)
+            if granted:
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """A stream ended: the longest-waiting one takes its place."""
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()
+            else:
+                self.active -= 1
