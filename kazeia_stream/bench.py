@@ -209,7 +209,7 @@ async def run_streams_bench(
     voice = voice or runtime.model.default_voice
     await _together(runtime, 2, streams, voice, seed)
     results = [await _together(runtime, frames, streams, voice, seed) for _ in range(repeat)]
-    result = median(results)
+    result = {**median(results), "streams": streams, "frames": frames}
     result["solo_ttfa_s"] = statistics.median(
         [(await _stream(runtime, 2, voice, seed)).ttfa_s or 0.0 for _ in range(repeat)]
     )

@@ -21,13 +21,14 @@ from contextlib import asynccontextmanager, contextmanager
 from functools import cached_property
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import trio
 
 from .cloning import Audio, VoiceEncoders
 from .engine.code_predictor import CodePredictor
 from .engine.codec import CodecDecoder, DecoderState
-from .engine.frames import FrameLoop, GenerationOptions, max_text_tokens
+from .engine.frames import PREFILL_PIECE, FrameLoop, GenerationOptions, max_text_tokens
 from .engine.llm import LMOptions
 from .engine.talker import Talker, TalkerState
 from .engine.threads import SharedCores, Threads
@@ -49,16 +50,22 @@ class Runtime:
     session and call on it."""
 
     def __init__(self, model: Model, threads: Threads | None = None, max_streams: int = 1) -> None:
-        if max_streams < 1:
-            raise UsageError(f"max_streams must be at least 1, not {max_streams}")
+        most = llama_cpp.llama_max_parallel_sequences()
+        if not 1 <= max_streams <= most:
+            raise UsageError(f"max_streams must be between 1 and {most}, not {max_streams}")
         self.model = model
         self.threads = threads or Threads.default()
         self.max_streams = max_streams
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
+        # room in one decode for every stream's step or prefill piece
+        n_batch = max(LMOptions.n_batch, (PREFILL_PIECE + 1) * max_streams)
         self.talker = Talker(
-            model.llama_model.ptr, cfg.talker, LMOptions(self.threads.talker, n_seq=max_streams), self.cores
+            model.llama_model.ptr,
+            cfg.talker,
+            LMOptions(self.threads.talker, n_batch=n_batch, n_seq=max_streams),
+            self.cores,
         )
         self.code_predictor = CodePredictor(
             model.mmproj_file,
