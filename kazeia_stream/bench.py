@@ -122,12 +122,15 @@ def run_bench(runtime: Runtime, frames: int, voice: VoiceArg = None, seed: int =
     decoder = runtime.decoder_state(voice)
     ttfa = decoder_s = 0.0
     samples = 0
-    while (codes := runtime.frames.next_frame(state)) is not None:
-        t0 = time.perf_counter()
-        samples += len(runtime.codec.push(decoder, codes[None]))
-        decoder_s += time.perf_counter() - t0
-        if not ttfa:
-            ttfa = time.perf_counter() - t_start
+    try:
+        while (codes := runtime.frames.next_frame(state)) is not None:
+            t0 = time.perf_counter()
+            samples += len(runtime.codec.push(decoder, codes[None]))
+            decoder_s += time.perf_counter() - t0
+            if not ttfa:
+                ttfa = time.perf_counter() - t_start
+    finally:
+        runtime.frames.finish(state)
     wall = time.perf_counter() - t_start
     t = state.times
     return _figures(

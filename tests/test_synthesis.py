@@ -128,7 +128,9 @@ def test_dump_matches_the_official_references(tiny_gguf, tmp_path):
 
 @pytest.mark.subprocess
 def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
-    r = run_cli("bench", "--model", str(tiny_gguf("custom_voice")[0]), "--frames", "6", "--json")
+    r = run_cli(
+        "bench", "--model", str(tiny_gguf("custom_voice")[0]), "--frames", "6", "--repeat", "2", "--json"
+    )
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout.decode().strip().splitlines()[-1])
     assert set(result) == {"frames", "audio_s", "ttfa_s", "wall_s", "rtf", "ms_per_frame", "peak_rss_mb"}

@@ -32,6 +32,7 @@ def greedy_codes(runtime: kazeia_stream.Runtime, text: str, frames: int) -> tupl
     codes = []
     while (frame := runtime.frames.next_frame(state)) is not None:
         codes.append(frame)
+    runtime.frames.finish(state)
     return np.stack(codes), runtime.codec.decode(np.stack(codes))
 
 
