@@ -318,17 +318,31 @@ def test_errors_are_events_and_the_server_goes_on(server: Server):
 
 
 @pytest.mark.subprocess
-def test_clients_queue_for_the_engines(server: Server):
-    async def run() -> list[list[Event]]:
-        return await asyncio.gather(
-            *(
-                ask(server, Synthesize(text=f"Client number {i} speaks.", voice=RYAN).event())
-                for i in range(3)
-            )
-        )
+def test_clients_are_spoken_together(server: Server):
+    """The server's runtime takes 4 streams by default: three clients' utterances are generated
+    together, each one's audio arriving while the others are still speaking."""
 
-    for events in asyncio.run(run()):
+    async def one(i: int) -> tuple[list[Event], float, float]:
+        async with server.client() as client:
+            await client.write_event(Synthesize(text=f"Client number {i} speaks.", voice=RYAN).event())
+            events, first = [], None
+            while True:
+                event = await client.read_event()
+                assert event is not None
+                events.append(event)
+                if first is None and AudioChunk.is_type(event.type):
+                    first = time.monotonic()
+                if AudioStop.is_type(event.type):
+                    assert first is not None
+                    return events, first, time.monotonic()
+
+    async def run() -> list[tuple[list[Event], float, float]]:
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    results = asyncio.run(run())
+    for events, _, _ in results:
         assert len(utterances(events)) == 1 and not errors(events)
+    assert max(first for _, first, _ in results) < min(end for _, _, end in results)
 
 
 @pytest.mark.subprocess

@@ -12,9 +12,10 @@
   `synthesize`, then an empty audio-start/audio-stop: Home Assistant reads until audio-stop);
   the connection and the server go on.
 
-The runtime's frame generator blocks and holds the engines while it runs, so it runs in one
-worker thread, an utterance at a time in arrival order (clients queue there), and hands each
-frame to the event loop. A client that goes away stops its utterance at the next frame.
+The runtime's frame generator blocks while it runs, so each utterance runs in a worker thread (as
+many as the runtime speaks at once: their frames come from its shared passes; more clients
+queue in arrival order) and hands each frame to the event loop. A client that goes away stops
+its utterance at the next frame.
 """
 
 from __future__ import annotations
@@ -187,14 +188,16 @@ class _Synthesis:
 
 
 class WyomingServer:
-    """The state all connections share: the runtime, its voices, and the one thread that runs
-    the engines."""
+    """The state all connections share: the runtime, its voices, and a thread per stream the
+    runtime speaks at once (each waits on the runtime's shared passes)."""
 
     def __init__(self, runtime: Runtime, voices: ServerVoices) -> None:
         self.runtime = runtime
         self.voices = voices
         self.info = info(runtime, voices)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kazeia-wyoming")
+        self._executor = ThreadPoolExecutor(
+            max_workers=runtime.max_streams, thread_name_prefix="kazeia-wyoming"
+        )
         self._syntheses: set[_Synthesis] = set()
 
     def language(self, requested: str | None) -> str:
