@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import TokenType
 
+import kazeia_stream
 from kazeia_stream.errors import ModelFileError, UsageError
 from kazeia_stream.model import gguf_layout as L
 from kazeia_stream.model.convert import TYPES, convert
@@ -320,8 +321,32 @@ def test_codec_stays_f32(tiny_gguf):
         assert len(codec) > 100 and set(codec.values()) == {QType.F32}
 
 
+@pytest.mark.parametrize("out_type", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_talker_types_from_llama_cpps_quantizer(out_type, tiny_gguf):
+    """llama_model_quantize makes the talker (every matrix quantized; the tiny widths are not
+    whole 256-wide K blocks, so its recipe falls back to its smaller blocks there), keeps our
+    keys (the checkpoint id pairs it with its mmproj) and the mmproj is the q8_0 one."""
+    f32_talker = tiny_gguf("custom_voice", "f32")[0]
+    talker, mmproj = tiny_gguf("custom_voice", out_type)
+    assert meta(talker, L.KEY_FILE_TYPE) == {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}[out_type]
+    assert meta(talker, L.KEY_CHECKPOINT_ID) == meta(f32_talker, L.KEY_CHECKPOINT_ID)
+    assert types(mmproj) == types(tiny_gguf("custom_voice", "q8_0")[1])
+    reference, got, got_types = tensors(f32_talker), tensors(talker), types(talker)
+    assert got_types.keys() == reference.keys()
+    for name, qtype in got_types.items():
+        if reference[name].ndim < 2:
+            assert qtype == QType.F32, name
+            continue
+        assert qtype not in (QType.F32, QType.F16, QType.BF16), name
+        err = np.linalg.norm(got[name] - reference[name]) / max(np.linalg.norm(reference[name]), 1e-30)
+        assert err < 0.05, name
+    model = kazeia_stream.load_model(talker)
+    audio, _ = kazeia_stream.Runtime(model).synthesize("Hello.", voice=model.default_voice, seed=1)
+    assert len(audio) > 0 and np.isfinite(audio).all()
+
+
 def test_types_are_described():
-    assert set(TYPES) == {"f32", "f16", "q8_0"} and all(TYPES.values())
+    assert set(TYPES) == {"f32", "f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"} and all(TYPES.values())
 
 
 # ------------------------------------------------------------------------------------------------

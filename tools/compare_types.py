@@ -4,7 +4,8 @@
 
 Both models speak the same text greedily (no sampling) for exactly N frames. Reported:
 - teacher-forced agreement: along the reference's codes, how often the other model's talker and
-  code predictor pick the same code (argmax), and their largest logit difference;
+  code predictor pick the same code (argmax), the mean KL divergence of their distributions
+  from the reference's, KL(ref || other) in nats, and their largest logit difference;
 - free-running drift: the first frame where the greedy codes differ, and the share of equal codes;
 - the audio: SNR of the other model's audio against the reference's.
 """
@@ -49,6 +50,14 @@ def teacher_forced(
     return logits, cp
 
 
+def mean_kl(ref: np.ndarray, other: np.ndarray) -> float:
+    """Mean KL(softmax(ref) || softmax(other)) over the rows (last axis: the vocabulary), nats."""
+    lp, lq = (x.astype(np.float64) - x.max(-1, keepdims=True) for x in (ref, other))
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=-1)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reference")
@@ -63,14 +72,11 @@ def main() -> None:
     codes, audio = greedy_codes(ref, args.text, args.frames)
     lr, cp_r = teacher_forced(ref, args.text, codes)
     lo, cp_o = teacher_forced(other, args.text, codes)
-    print(
-        f"teacher-forced talker: argmax agreement {np.mean(lr.argmax(-1) == lo.argmax(-1)):.3f}, "
-        f"max |logit diff| {np.abs(lr - lo).max():.4f}"
-    )
-    print(
-        f"teacher-forced code predictor: argmax agreement {np.mean(cp_r.argmax(-1) == cp_o.argmax(-1)):.3f}, "
-        f"max |logit diff| {np.abs(cp_r - cp_o).max():.4f}"
-    )
+    for name, r, o in (("talker", lr, lo), ("code predictor", cp_r, cp_o)):
+        print(
+            f"teacher-forced {name}: argmax agreement {np.mean(r.argmax(-1) == o.argmax(-1)):.3f}, "
+            f"mean KL {mean_kl(r, o):.5f} nats, max |logit diff| {np.abs(r - o).max():.4f}"
+        )
 
     codes_o, audio_o = greedy_codes(other, args.text, args.frames)
     same = codes == codes_o

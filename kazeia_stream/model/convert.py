@@ -12,7 +12,9 @@ purpose:
   in-context cloning needs it to turn the reference recording into codes;
 - a checkpoint without speaker encoder (CustomVoice, VoiceDesign) gets an mmproj without one
   (llama.cpp's converter assumes a Base model);
-- extra `kazeia.*` keys (see gguf_layout).
+- extra `kazeia.*` keys (see gguf_layout);
+- `q4_k_m`, `q5_k_m`, `q6_k`: the talker is written F32, then quantized by llama.cpp's own
+  quantizer (`llama_model_quantize`, its recipe for the type), and the mmproj is the `q8_0` one.
 
 Every input is read and checked before anything is written, and both files are written or
 neither. Tensors are produced and written one at a time, the text-embedding fold in row blocks,
@@ -21,6 +23,7 @@ so the peak memory is about the largest tensor, not the model.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -46,7 +49,14 @@ TYPES: dict[str, str] = {
     "code predictor's ffn_down, the speaker encoder and the codec decoder and encoder F32",
     "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; norms, biases, the "
     "code predictor's ffn_down, the speaker encoder and the codec decoder and encoder F32",
+    "q4_k_m": "the talker quantized by llama.cpp's quantizer to its Q4_K_M recipe (Q4_K, Q6_K for "
+    "attn_v, ffn_down and the codec head in part); the mmproj as q8_0 (code predictor Q8_0)",
+    "q5_k_m": "the talker by llama.cpp's Q5_K_M recipe; the mmproj as q8_0",
+    "q6_k": "the talker by llama.cpp's Q6_K recipe; the mmproj as q8_0",
 }
+# Types whose talker llama.cpp's own quantizer makes (llama_model_quantize) from an F32 talker;
+# their code predictor stays Q8_0: below 8 bits its codes drift (#11).
+_LLAMA_QUANTIZED = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # enum llama_ftype
 _FILE_TYPES = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -133,17 +143,40 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
     name = ckpt.dir.resolve().name
     paths = (out / f"{name}-{out_type}.gguf", out / f"mmproj-{name}-{out_type}.gguf")
     parts = [path.with_name(path.name + ".part") for path in paths]
-    # every input is read and checked before anything is written; then both files or neither
-    files = [_talker_file(ckpt, out_type), _mmproj_file(ckpt, out_type)]
+    quantized = out_type in _LLAMA_QUANTIZED
+    (talker, talker_tensors), (mmproj, mmproj_tensors) = (
+        # every input is read and checked before anything is written; then both files or neither
+        _talker_file(ckpt, "f32" if quantized else out_type),
+        _mmproj_file(ckpt, "q8_0" if quantized else out_type),
+    )
+    unquantized = parts[0].with_name(parts[0].name + ".f32")
     try:
-        for (writer, tensors), part in zip(files, parts):
-            _write_file(writer, tensors, part, out_type)
+        if quantized:
+            _write_file(talker, talker_tensors, unquantized, "f32")
+            _llama_quantize(unquantized, parts[0], _LLAMA_QUANTIZED[out_type])
+        else:
+            _write_file(talker, talker_tensors, parts[0], out_type)
+        _write_file(mmproj, mmproj_tensors, parts[1], "q8_0" if quantized else out_type)
         for part, path in zip(parts, paths):
             part.replace(path)
     finally:
-        for part in parts:
+        for part in (*parts, unquantized):
             part.unlink(missing_ok=True)
     return paths
+
+
+def _llama_quantize(src: Path, dst: Path, ftype: int) -> None:
+    """llama.cpp's quantizer, with its recipe for `ftype` (it keeps every key of the file)."""
+    import llama_cpp
+
+    from .llama import init_backend
+
+    init_backend()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params)) != 0:
+        raise ModelFileError(f"{src}: llama.cpp's quantizer failed (run with -v for its reason)")
 
 
 # ------------------------------------------------------------------------------------------------
