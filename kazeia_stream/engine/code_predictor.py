@@ -22,8 +22,9 @@ The KV cache is F16 then. `exact=True` keeps every stored type and an F32 KV cac
 within ~1e-6 of float32). An all-F32 file is the same either way.
 
 No state survives a call: each frame's passes restart at position 0 and each decode points the
-output tensor at its head first. One CodePredictor serves one thread at a time (the runtime's
-lock), since that pointer and the KV cache are the engine's scratch space.
+output tensor at its head first. `predict_many` runs the passes of up to `max_streams` streams
+together, each its own sequence. One CodePredictor serves one thread at a time (the runtime's
+generator thread), since that pointer and the KV cache are the engine's scratch space.
 """
 
 from __future__ import annotations
