@@ -344,16 +344,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         figures = trio.run(run_streams_bench, runtime, args.frames, args.streams, args.repeat, voice)
         joined = f", {figures['join_ttfa_s']:.3f} s joining the others" if "join_ttfa_s" in figures else ""
-        print(
+        _report(
             f"{figures['streams']} streams of {figures['frames']} frames: "
             f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all, RTF per stream "
             f"{figures['rtf_per_stream']:.2f}; first audio p50 {figures['ttfa_s_p50']:.3f} s, p95 "
             f"{figures['ttfa_s_p95']:.3f} s (alone {figures['solo_ttfa_s']:.3f} s{joined}); "
             f"peak RSS {figures['peak_rss_mb']:.0f} MB",
-            file=sys.stdout if not args.json else sys.stderr,
+            figures,
+            args.json,
         )
-        if args.json:
-            print(json.dumps(figures))
         return 0
     if args.pipeline:
         import trio
@@ -381,16 +380,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     ms = result["ms_per_frame"]
-    print(
+    _report(
         f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
         f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
         f"per frame: talker {ms['talker']} ms, code predictor {ms['code_predictor']} ms, "
         f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB",
-        file=sys.stdout if not args.json else sys.stderr,
+        result,
+        args.json,
     )
-    if args.json:
-        print(json.dumps(result))
     return 0
+
+
+def _report(summary: str, figures: dict[str, Any], as_json: bool) -> None:
+    """The benchmark's summary for a reader (on stderr when stdout ends with the JSON object)."""
+    print(summary, file=sys.stderr if as_json else sys.stdout)
+    if as_json:
+        print(json.dumps(figures))
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

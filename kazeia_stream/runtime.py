@@ -55,7 +55,6 @@ class Runtime:
             raise UsageError(f"max_streams must be between 1 and {most}, not {max_streams}")
         self.model = model
         self.threads = threads or Threads.default()
-        self.max_streams = max_streams
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
@@ -82,6 +81,11 @@ class Runtime:
         # the decoder state after each in-context voice's reference frames
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
         self._warm_up()
+
+    @property
+    def max_streams(self) -> int:
+        """The most utterances spoken at once; the others wait in order."""
+        return self.admission.n
 
     @classmethod
     async def create(cls, model: Model, threads: Threads | None = None, max_streams: int = 1) -> Runtime:

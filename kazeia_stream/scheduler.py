@@ -127,6 +127,11 @@ class _Passes(Generic[Item, T]):
             self._withdraw(result)
             raise
 
+    def _ask_sync(self, item: Item) -> T:
+        result: _Result[T] = _Result(in_trio=False)
+        self._submit(item, result)
+        return result.wait()
+
     def call(self, fn: Callable[[], R]) -> R:
         """Run `fn` in the engines' thread between passes, and wait for it (from a thread)."""
         result: _Result[R] = _Result(in_trio=False)
@@ -233,9 +238,7 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
         return await self._ask(state)
 
     def next_frame_sync(self, state: FrameState) -> np.ndarray | None:
-        result: _Result[np.ndarray | None] = _Result(in_trio=False)
-        self._submit(state, result)
-        return result.wait()
+        return self._ask_sync(state)
 
     def _take(self) -> list[tuple[FrameState, _Result[np.ndarray | None]]]:
         """Streams that have not begun alone, when there are any (their first frame comes ahead
@@ -284,9 +287,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         return await self._ask(_Decode(state, codes, first))
 
     def decode_sync(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
-        result: _Result[np.ndarray] = _Result(in_trio=False)
-        self._submit(_Decode(state, codes, first), result)
-        return result.wait()
+        return self._ask_sync(_Decode(state, codes, first))
 
     def _take(self) -> list[tuple[_Decode, _Result[np.ndarray]]]:
         """First frames alone when there are any, else every queued frame."""
@@ -321,21 +322,19 @@ class Admission:
         self._lock = threading.Lock()
         self._waiting: deque[_Result[None]] = deque()
 
-    def _try(self, result: _Result[None]) -> bool:
+    def _try(self, result: _Result[None] | None = None) -> bool:
+        """A place now, if one is free and nobody waits for one; else `result` waits in line."""
         with self._lock:
             if self.active < self.n and not self._waiting:
                 self.active += 1
                 return True
-            self._waiting.append(result)
+            if result is not None:
+                self._waiting.append(result)
             return False
 
     def try_acquire(self) -> bool:
         """A place now, if one is free and nobody waits for one."""
-        with self._lock:
-            if self.active < self.n and not self._waiting:
-                self.active += 1
-                return True
-            return False
+        return self._try()
 
     def acquire_sync(self) -> None:
         result: _Result[None] = _Result(in_trio=False)

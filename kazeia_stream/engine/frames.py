@@ -139,10 +139,6 @@ class FrameLoop:
         self.talker, self.code_predictor, self.config = talker, code_predictor, config
         self.free = list(range(talker.n_seq))  # talker slots no utterance holds
 
-    @property
-    def max_streams(self) -> int:
-        return min(self.talker.n_seq, self.code_predictor.max_streams)
-
     def start(
         self, prompt: Prompt, text: TextFeed, options: GenerationOptions, rng: np.random.Generator
     ) -> FrameState:

@@ -67,7 +67,7 @@ class EmbeddingLM:
         self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
         self.threads = self._threads_set = options.threads
         self.cores = cores or SharedCores(options.threads)
-        self.n_ctx, self.n_batch, self.n_seq = options.n_ctx, options.n_batch, options.n_seq
+        self.n_ctx, self.n_batch = options.n_ctx, options.n_batch
         if llama_cpp.llama_n_ctx_seq(self.ctx) < self.n_ctx:
             raise RuntimeError(f"libllama gave {llama_cpp.llama_n_ctx_seq(self.ctx)} positions per sequence")
         self._n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
@@ -123,8 +123,6 @@ class EmbeddingLM:
         """
         embeds = np.ascontiguousarray(embeds, dtype=np.float32)
         n = len(embeds)
-        if pos + n > self.n_ctx:
-            raise RuntimeError(f"context full: {pos} + {n} positions > n_ctx {self.n_ctx}")
         hidden, logits = [], []
         for start in range(0, n, self.n_batch):
             chunk = embeds[start : start + self.n_batch]
@@ -142,9 +140,6 @@ class EmbeddingLM:
         counts = [len(rows) for _, rows, _ in parts]
         if sum(counts) > self.n_batch:
             raise RuntimeError(f"{sum(counts)} rows in one decode > n_batch {self.n_batch}")
-        for _, rows, pos in parts:
-            if pos + len(rows) > self.n_ctx:
-                raise RuntimeError(f"context full: {pos} + {len(rows)} positions > n_ctx {self.n_ctx}")
         embeds = np.concatenate([rows for _, rows, _ in parts]).astype(np.float32, copy=False)
         last = np.cumsum(counts) - 1
         return self._decode(embeds, [(seq, pos, n) for (seq, _, pos), n in zip(parts, counts)], last)
@@ -163,6 +158,8 @@ class EmbeddingLM:
         positions = self._positions[: n * self.n_pos].reshape(self.n_pos, n)
         start = 0
         for seq, pos, count in spans:
+            if pos + count > self.n_ctx:
+                raise RuntimeError(f"context full: {pos} + {count} positions > n_ctx {self.n_ctx}")
             positions[:, start : start + count] = np.arange(pos, pos + count)
             self._seq[start : start + count] = seq
             start += count

@@ -144,10 +144,11 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
     paths = (out / f"{name}-{out_type}.gguf", out / f"mmproj-{name}-{out_type}.gguf")
     parts = [path.with_name(path.name + ".part") for path in paths]
     quantized = out_type in _LLAMA_QUANTIZED
+    mmproj_type = "q8_0" if quantized else out_type
     (talker, talker_tensors), (mmproj, mmproj_tensors) = (
         # every input is read and checked before anything is written; then both files or neither
         _talker_file(ckpt, "f32" if quantized else out_type),
-        _mmproj_file(ckpt, "q8_0" if quantized else out_type),
+        _mmproj_file(ckpt, mmproj_type),
     )
     unquantized = parts[0].with_name(parts[0].name + ".f32")
     try:
@@ -156,7 +157,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
             _llama_quantize(unquantized, parts[0], _LLAMA_QUANTIZED[out_type])
         else:
             _write_file(talker, talker_tensors, parts[0], out_type)
-        _write_file(mmproj, mmproj_tensors, parts[1], "q8_0" if quantized else out_type)
+        _write_file(mmproj, mmproj_tensors, parts[1], mmproj_type)
         for part, path in zip(parts, paths):
             part.replace(path)
     finally:
