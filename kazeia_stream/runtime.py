@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from functools import cached_property
 from typing import Any
@@ -29,11 +30,12 @@ from .cloning import Audio, VoiceEncoders
 from .engine.code_predictor import CodePredictor
 from .engine.codec import CodecDecoder, DecoderState
 from .engine.frames import PREFILL_PIECE, FrameLoop, GenerationOptions, max_text_tokens
-from .engine.llm import LMOptions
+from .engine.llm import LMOptions, kv_f32_for
 from .engine.talker import Talker, TalkerState
 from .engine.threads import SharedCores, Threads
 from .errors import EmptyTextError, UsageError
 from .model import Model
+from .model import gguf_layout as L
 from .model.model import VoiceArg
 from .model.prompt import Prompt
 from .model.segments import split_text
@@ -60,20 +62,24 @@ class Runtime:
         cfg = model.config
         # room in one decode for every stream's step or prefill piece
         n_batch = max(LMOptions.n_batch, (PREFILL_PIECE + 1) * max_streams)
-        self.talker = Talker(
-            model.llama_model.ptr,
-            cfg.talker,
-            LMOptions(self.threads.talker, n_batch=n_batch, n_seq=max_streams),
-            self.cores,
-        )
-        self.code_predictor = CodePredictor(
-            model.mmproj_file,
-            cfg.code_predictor,
-            self.threads.code_predictor,
-            cores=self.cores,
-            max_streams=max_streams,
-        )
-        self.codec = CodecDecoder(model.mmproj_file, self.threads.decoder)
+        kv_f32 = kv_f32_for(model.talker_file.tensor_type(L.TALKER_FFN_UP.format(bid=0)))
+        with ThreadPoolExecutor(1) as loader:
+            # reading the decoder's weights (no GIL held) overlaps with building the contexts
+            codec = loader.submit(CodecDecoder, model.mmproj_file, self.threads.decoder)
+            self.talker = Talker(
+                model.llama_model.ptr,
+                cfg.talker,
+                LMOptions(self.threads.talker, n_batch=n_batch, kv_f32=kv_f32, n_seq=max_streams),
+                self.cores,
+            )
+            self.code_predictor = CodePredictor(
+                model.mmproj_file,
+                cfg.code_predictor,
+                self.threads.code_predictor,
+                cores=self.cores,
+                max_streams=max_streams,
+            )
+            self.codec = codec.result()
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
         self.generator = Generator(self.frames)

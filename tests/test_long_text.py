@@ -132,7 +132,8 @@ def test_pipe_speaks_a_page_on_one_line(runtime, segments, capped_model):
     pcm = np.frombuffer(r.stdout, "<f4")
     audio, _ = runtime.synthesize(line, voice="ryan", seed=4, text_streaming=True)
     assert np.array_equal(pcm, audio)
-    assert frames_per_segment(len(pcm) // FRAME, len(split_text(line, 454)))
+    max_bytes = runtime.max_segment_bytes(runtime.probe("ryan", "auto", None))
+    assert frames_per_segment(len(pcm) // FRAME, len(split_text(line, max_bytes)))
 
 
 def test_an_utterance_stops_at_the_end_of_the_talker_context(tiny_runtime):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 import kazeia_stream
 from kazeia_stream import ModelFileError, UsageError
+from kazeia_stream.model import gguf_layout as L
 from kazeia_stream.model.prompt import ASSISTANT, ASSISTANT_TAIL
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -192,3 +194,46 @@ def test_ambiguous_folder(tiny_gguf, tmp_path):
     shutil.copy(talker, tmp_path / "other.gguf")
     with pytest.raises(ModelFileError, match="expected one talker"):
         kazeia_stream.load_model(tmp_path)
+
+
+def _resident(path: Path) -> list[tuple[int, int]]:
+    """(size, resident bytes) of each mapping of `path` in this process."""
+    found, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping's first line
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            current = end - start if fields[5:] == [str(path.resolve())] else None
+        elif fields[0] == "Rss:" and current is not None:
+            found.append((current, int(fields[1]) * 1024))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux")
+def test_libllama_s_mapping_leaves_the_text_embedding_out_of_memory(tiny_gguf):
+    talker, _ = tiny_gguf("custom_voice", "q8_0")
+    model = kazeia_stream.load_model(talker)
+    embd = model.talker_file.span(L.TALKER_TOKEN_EMBD)[1]
+    whole = [(size, rss) for size, rss in _resident(talker) if size > embd]  # libllama's
+    assert whole and all(rss <= size - embd + 2 * 4096 for size, rss in whole)
+    # what we read of it, we read from our own mapping: a text's rows
+    assert model.prompt("Hello.", voice=model.default_voice).prefill.shape[0] > 0
+
+
+@pytest.mark.parametrize("out_type, kv_f32", [("f32", True), ("q8_0", False)])
+def test_the_talker_s_kv_cache_has_the_type_that_goes_with_its_weights(tiny_runtime, out_type, kv_f32):
+    runtime = tiny_runtime("custom_voice", out_type)
+    assert runtime.talker.lm.kv_f32 is kv_f32
+    assert runtime.code_predictor._lm.kv_f32 is kv_f32
+
+
+@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
+def test_read_gives_every_tensor_as_the_mapping_does(tiny_gguf, out_type):
+    from kazeia_stream.model.gguf_file import GGUFFile
+
+    for path in tiny_gguf("custom_voice", out_type):
+        f = GGUFFile(path)
+        for name in f.tensor_names[::7]:
+            read, mapped = f.read(name), f.tensor(name)
+            assert read.dtype == np.float32 and np.array_equal(read, mapped)
+            assert not isinstance(read, np.memmap)

@@ -39,6 +39,7 @@ the tensor shapes, so the tiny test models run through the same code as the real
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -286,17 +287,18 @@ class CausalTransConv:
     official CausalTransConvNet: n input time steps give n * s output time steps. Weight
     [C_in, C_out, k].
 
-    One sgemm [k * C_out, C_in] x [C_in, n * S] (S streams) gives Z[m, :, t], the contribution
-    of input t to output t * s + m; then an overlap-add: output t * s + m = Z[m, t] (m < s) +
-    Z[s + m, t - 1] (m < k - s). Z[s:, last t], the tail [k - s, C_out, S], is the state carried
-    into the next call."""
+    One sgemm [C_out * k, C_in] x [C_in, n * S] (S streams; the left one the stored weight
+    transposed, a view) gives Z[:, m, t], the contribution of input t to output t * s + m; then
+    an overlap-add: output t * s + m = Z[m, t] (m < s) + Z[s + m, t - 1] (m < k - s).
+    Z[:, s:, last t], the tail [k - s, C_out, S], is the state carried into the next call."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, stride: int) -> None:
         c_in, c_out, k = weight.shape
         if not stride <= k <= 2 * stride:
             raise ValueError(f"transposed conv kernel {k} with stride {stride} is not supported")
         self.k, self.s, self.c_out = k, stride, c_out
-        self.w = np.ascontiguousarray(weight.transpose(2, 1, 0).reshape(k * c_out, c_in), dtype=F32)
+        # [C_out * k, C_in]: the transposed view as the left operand measured ~15% slower
+        self.w = np.ascontiguousarray(weight.reshape(c_in, c_out * k).T)
         self.bias = bias.astype(F32)[:, None, None]
 
     def new_state(self) -> np.ndarray:
@@ -305,15 +307,15 @@ class CausalTransConv:
     def __call__(self, tail: np.ndarray, x: np.ndarray) -> np.ndarray:
         k, s, streams = self.k, self.s, tail.shape[2]
         n = x.shape[1] // streams
-        z = _matmul(self.w, x).reshape(k, self.c_out, n, streams)
+        z = _matmul(self.w, x).reshape(self.c_out, k, n, streams)
         y = np.empty((self.c_out, n, s, streams), F32)
         for m in range(s):  # one phase at a time: numpy would loop over the short m axis innermost
             ym = y[:, :, m]  # output time steps t * s + m
-            np.add(z[m], self.bias, out=ym)
+            np.add(z[:, m], self.bias, out=ym)
             if m < k - s:
-                ym[:, 1:] += z[s + m, :, :-1]
+                ym[:, 1:] += z[:, s + m, :-1]
                 ym[:, 0] += tail[m]
-        tail[...] = z[s:, :, -1]
+        tail[...] = z[:, s:, -1].transpose(1, 0, 2)
         return y.reshape(self.c_out, n * s * streams)
 
 
@@ -779,6 +781,57 @@ class CodecDecoder:
         frames += self.post_conv.context / rate
         return math.ceil(frames)
 
+    def products(self) -> Iterator[tuple[np.ndarray, int]]:
+        """Every matrix product of a frame's decode, in order: (weight [out, in], its columns
+        per frame). Depthwise convolutions, attention and activations are left out: they are
+        a few percent of the multiply-adds."""
+        q, tfm = self.quantizer, self.transformer
+        yield q.first_out.w, 1
+        yield q.rest_out.w, 1
+        yield from ((tap, 1) for tap in self.pre_conv.taps)
+        yield tfm.in_proj.w, 1
+        for layer in tfm.layers:
+            yield from ((w, 1) for w in (layer.qkv.w, layer.out.w, layer.gate_up.w, layer.down.w))
+        yield tfm.out_proj.w, 1
+        rate = 1  # columns per frame at the current layer's input
+        for up, convnext in self.upsample:
+            yield up.w, rate
+            rate *= up.s
+            yield convnext.pw1.w, rate
+            yield convnext.pw2.w, rate
+        yield from ((tap, rate) for tap in self.entry.taps)
+        for block in self.blocks:
+            yield block.up.w, rate
+            rate *= block.up.s
+            for unit in block.units:
+                yield from ((tap, rate) for conv in (unit.conv1, unit.conv2) for tap in conv.taps)
+        yield from ((tap, rate) for tap in self.post_conv.taps)
+
+    @cached_property
+    def macs_per_frame(self) -> int:
+        """Multiply-adds of the matrix products per frame (`products`)."""
+        return sum(w.size * columns for w, columns in self.products())
+
+    def products_time(self, frames: int = 1, repeat: int = 3) -> float:
+        """Seconds per frame that the matrix products alone take at `frames` frames per push,
+        on the same kernels and shapes as a decode (the blocks' column pieces included), on
+        the decoder's threads: the floor its multiply-adds set. Best of `repeat`."""
+        rng = np.random.default_rng(0)
+        total = 0.0
+        with self._blas.limit(limits=self.threads):
+            for w, columns in self.products():
+                n = columns * frames
+                piece = min(n, max(1, PIECE_ELEMENTS // w.shape[0]))
+                x = rng.standard_normal((w.shape[1], piece), dtype=F32)
+                best = math.inf
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    for _ in range(n // piece):
+                        _matmul(w, x)
+                    best = min(best, time.perf_counter() - start)
+                total += best * n / (n // piece * piece)
+        return total / frames
+
     def _render(self, streams: _Streams, h: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """The audio of the transformer's output h [C, n * S] of S streams, in consecutive
         pieces of each stream's: (stream, samples). The upsampling, the entry conv and the first
@@ -817,10 +870,8 @@ def _blocks(
 
 
 def _tensor(f: GGUFFile, name: str) -> np.ndarray:
-    """A float32 copy in memory the process owns: a memory-mapped page-cache view is slower to
-    stream through (4 KiB pages, and pages the kernel may drop), numpy gives large arrays huge
-    pages."""
-    return np.array(f.tensor(name), dtype=F32)
+    """Float32, in memory the process owns, in the stored layout (`GGUFFile.read`)."""
+    return f.read(name)
 
 
 def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
@@ -847,11 +898,11 @@ def _count(f: GGUFFile, pattern: str) -> int:
 
 def _bench(argv: list[str] | None = None) -> None:
     """`python -m kazeia_stream.engine.codec MMPROJ [FRAMES_PER_PUSH ...] [--streams S,...]`:
-    ms per frame while streaming, one stream pushing FRAMES_PER_PUSH frames per call, or S
-    streams pushing one frame each per call (ms per stream-frame). CPU time is what the
+    ms per frame while streaming, one stream pushing FRAMES_PER_PUSH frames per call (and its
+    matrix products alone, the floor), or S streams pushing one frame each per call (ms per
+    stream-frame). CPU time is what the
     process used; with other processes on the machine, wall time is the larger."""
     import argparse
-    import time
     from collections.abc import Callable
     from functools import partial
 
@@ -895,6 +946,8 @@ def _bench(argv: list[str] | None = None) -> None:
 
     for per in args.per_push or ([] if args.streams else [1, 4, 12]):
         measure(f"{per:3d} frames per push", partial(one_stream, per), args.frames)
+        floor = dec.products_time(per, args.repeat) * 1e3
+        print(f"{per:3d} frames per push: {floor:6.1f} ms/frame for the matrix products alone", flush=True)
     for count in args.streams:
         frames = max(1, args.frames // count)  # per stream: about --frames in all
         measure(f"{count:3d} streams, 1 frame each per push", partial(streams, count, frames), frames * count)

@@ -18,19 +18,27 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 
 from .threads import SharedCores
 
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
 
 
+def kv_f32_for(weights: QType) -> bool:
+    """The KV cache type that goes with the weights: F32 beside F32 weights (hidden states
+    within ~1e-6 of a float32 reference), else F16, llama.cpp's default: half the memory, and
+    its rounding is far below that of F16 or quantized weights."""
+    return weights == QType.F32
+
+
 @dataclass(frozen=True)
 class LMOptions:
-    """Context settings. An F32 KV cache keeps the hidden states within ~1e-6 of a float32
-    reference; F16 halves its memory."""
+    """Context settings (`kv_f32`: see `kv_f32_for`)."""
 
     threads: int
-    n_ctx: int = 4096  # positions per sequence
+    # positions per sequence: 164 s of frames, and long texts are split into segments that fit
+    n_ctx: int = 2048
     n_batch: int = 512
     kv_f32: bool = True
     n_seq: int = 1
@@ -65,6 +73,7 @@ class EmbeddingLM:
         if not self.ctx:
             raise RuntimeError("libllama could not create a context")
         self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
+        self.kv_f32 = options.kv_f32
         self.threads = self._threads_set = options.threads
         self.cores = cores or SharedCores(options.threads)
         self.n_ctx, self.n_batch = options.n_ctx, options.n_batch

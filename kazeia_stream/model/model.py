@@ -14,7 +14,7 @@ from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
-from .llama import LlamaModel
+from .llama import LlamaModel, release_pages
 from .prompt import (
     ASSISTANT,
     ASSISTANT_TAIL,
@@ -93,6 +93,9 @@ class Model:
         _check_pair(self.talker_file, self.mmproj_file)
         _check_checkpoint(self.talker_file, self.mmproj_file)
         self.llama_model = LlamaModel(talker_path)
+        # libllama never reads the text embedding (we feed it embeddings, and read the rows a
+        # text needs from our own mapping): 27% of a 0.6B Q8_0 talker file off the RSS
+        release_pages(talker_path, *self.talker_file.span(L.TALKER_TOKEN_EMBD))
         self.tokenizer = Tokenizer(self.llama_model.vocab)
         codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
         text_vocab = self.tokenizer.n_tokens - codec_vocab
