@@ -7,9 +7,11 @@ a time as a live stream would, and reports figures a user can compare across mac
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -18,6 +20,7 @@ import trio
 
 from .channels import UtteranceMetrics
 from .engine.frames import GenerationOptions
+from .model import gguf_layout as L
 from .model.model import VoiceArg
 from .runtime import Runtime
 
@@ -57,6 +60,81 @@ def _figures(
         },
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
+
+
+def read_gb_s(threads: int, nbytes: int = 1 << 28, repeat: int = 3) -> float:
+    """Memory read bandwidth on `threads` threads: numpy sums of a buffer of `nbytes` each, in
+    Python threads (a large reduction releases the GIL), best of `repeat`."""
+    buffers = [np.ones(nbytes // 4, np.float32) for _ in range(threads)]
+    best = math.inf
+    for _ in range(repeat):
+        workers = [threading.Thread(target=np.sum, args=(b,)) for b in buffers]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return threads * nbytes / best / 1e9
+
+
+def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
+    """Bytes of weights read and multiply-adds per frame, per stage. The talker reads every
+    tensor but the text embedding (we feed its rows) once per step; the code predictor its
+    layers and one head per pass, one pass per codebook after the first (the first pass has
+    two rows); the decoder every weight of its matrix products once per push of a frame."""
+    f = runtime.model.talker_file
+    names = [n for n in f.tensor_names if n != L.TALKER_TOKEN_EMBD]
+    cp = runtime.code_predictor
+    return {
+        "talker": {
+            "bytes": sum(f.span(n)[1] for n in names),
+            "macs": sum(math.prod(f.tensor_shape(n)) for n in names if len(f.tensor_shape(n)) > 1),
+        },
+        "code_predictor": {
+            "bytes": cp.n_groups * cp.bytes_per_pass,
+            "macs": (cp.n_groups + 1) * cp.params_per_pass,
+        },
+        "decoder": {
+            "bytes": sum(w.nbytes for w, _ in runtime.codec.products()),
+            "macs": runtime.codec.macs_per_frame,
+        },
+    }
+
+
+def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
+    """What this machine allows, measured now, beside the figures `measured` (`_figures`):
+    the talker and the code predictor read their weights at the memory bandwidth of their
+    threads, the decoder's matrix products run alone on its kernels and shapes (one frame per
+    push, as measured); the pipeline's floor puts the generator on one core's bandwidth
+    beside the decoder on another, and its frames take the longer of the two. `x_floor` is
+    each figure over its floor."""
+    cost = costs(runtime)
+    threads = runtime.threads.talker
+    bandwidth = {1: read_gb_s(1), threads: read_gb_s(threads)}
+    floor_ms = {
+        stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
+    }
+    floor_ms["decoder"] = 1e3 * runtime.codec.products_time(1)
+    generator_one_core = (cost["talker"]["bytes"] + cost["code_predictor"]["bytes"]) / bandwidth[1] / 1e6
+    frame_ms = 1e3 * runtime.codec.samples_per_frame / runtime.model.sample_rate
+    floor_rtf = max(generator_one_core, floor_ms["decoder"]) / frame_ms
+    ms = measured["ms_per_frame"]
+    return {
+        "cost_per_frame": cost,
+        "read_gb_s": {str(n): _digits(v) for n, v in bandwidth.items()},
+        "floor_ms_per_frame": {stage: _digits(v) for stage, v in floor_ms.items()},
+        "floor_rtf": _digits(floor_rtf),
+        "x_floor": {
+            **{stage: _digits(ms[stage] / v) for stage, v in floor_ms.items()},
+            "rtf": _digits(measured["rtf"] / floor_rtf),
+        },
+    }
+
+
+def _digits(value: float) -> float:
+    """Three significant digits (the tiny test models' floors are microseconds)."""
+    return float(f"{value:.3g}")
 
 
 def median(results: list[dict[str, Any]]) -> dict[str, Any]:

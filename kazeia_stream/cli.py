@@ -332,7 +332,7 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import median, run_bench
+    from .bench import floors, median, run_bench
 
     model = _model(args)
     voice = _voice(args, model)["voice"]
@@ -379,12 +379,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"medians of {args.repeat} runs; time to first audio from {ttfa[0]:.3f} to {ttfa[-1]:.3f} s",
             file=sys.stderr,
         )
-    ms = result["ms_per_frame"]
+    result.update(floors(runtime, result))
+    ms, floor, x = result["ms_per_frame"], result["floor_ms_per_frame"], result["x_floor"]
     _report(
         f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
         f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
         f"per frame: talker {ms['talker']} ms, code predictor {ms['code_predictor']} ms, "
-        f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB",
+        f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB\n"
+        f"this machine's floor: talker {floor['talker']} ms, code predictor "
+        f"{floor['code_predictor']} ms, decoder {floor['decoder']} ms, RTF {result['floor_rtf']:.2f} "
+        f"(measured / floor: {x['talker']}, {x['code_predictor']}, {x['decoder']}, RTF {x['rtf']})",
         result,
         args.json,
     )

@@ -147,3 +147,21 @@ def test_priming_with_a_reference_gives_the_joint_decode_after_it(decoder, refer
     assert state.position == n_ref
     rest = decoder.push(state, codes[n_ref:])
     np.testing.assert_allclose(rest, one_shot[n_ref * spf :], atol=1e-5)
+
+
+@pytest.mark.parametrize("frames", [1, 5])
+def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkeypatch, frames):
+    from kazeia_stream.engine import codec
+
+    counted = []
+    matmul = codec._matmul
+
+    def counting(w, x, out=None):
+        counted.append(w.shape[0] * w.shape[1] * x.shape[1])
+        return matmul(w, x, out)
+
+    monkeypatch.setattr(codec, "_matmul", counting)
+    decoder.decode(reference["codes"][:frames])
+    assert sum(counted) == decoder.macs_per_frame * frames
+    if frames == 1:  # one product per weight
+        assert len(counted) == len(list(decoder.products()))

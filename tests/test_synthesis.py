@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 import soundfile as sf
 
 import kazeia_stream
-from kazeia_stream.bench import median
+from kazeia_stream.bench import costs, median
 from kazeia_stream.engine.frames import frame_cap
+from kazeia_stream.engine.threads import available_cores
+from kazeia_stream.model import gguf_layout as L
 from kazeia_stream.stages.sinks import pcm_bytes
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -133,11 +136,37 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     )
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout.decode().strip().splitlines()[-1])
-    assert set(result) == {"frames", "audio_s", "ttfa_s", "wall_s", "rtf", "ms_per_frame", "peak_rss_mb"}
-    assert set(result["ms_per_frame"]) == {"talker", "code_predictor", "decoder"}
+    assert set(result) == {
+        *("frames", "audio_s", "ttfa_s", "wall_s", "rtf", "ms_per_frame", "peak_rss_mb"),
+        *("cost_per_frame", "read_gb_s", "floor_ms_per_frame", "floor_rtf", "x_floor"),
+    }
+    stages = {"talker", "code_predictor", "decoder"}
+    for key in ("ms_per_frame", "floor_ms_per_frame", "cost_per_frame"):
+        assert set(result[key]) == stages
     assert result["frames"] == 6 and result["audio_s"] == pytest.approx(6 * 0.08)
     assert 0 < result["ttfa_s"] < result["wall_s"]
     assert result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"], rel=0.01)
+    assert all(c["bytes"] > 0 and c["macs"] > 0 for c in result["cost_per_frame"].values())
+    assert set(result["read_gb_s"]) == {"1", str(available_cores())} and min(result["read_gb_s"].values()) > 0
+    x = result["x_floor"]
+    assert set(x) == {*stages, "rtf"} and min(x.values()) > 0
+    assert x["rtf"] == pytest.approx(result["rtf"] / result["floor_rtf"], rel=0.02)
+
+
+def test_costs_count_the_bytes_libllama_holds(tiny_runtime):
+    runtime = tiny_runtime("custom_voice")
+    cost = costs(runtime)
+    talker, cp = runtime.model.talker_file, runtime.code_predictor
+    embd = talker.span(L.TALKER_TOKEN_EMBD)[1]  # fed as rows, never read whole
+    assert cost["talker"]["bytes"] == llama_cpp.llama_model_size(runtime.model.llama_model.ptr) - embd
+    mmproj = runtime.model.mmproj_file  # F32: the code predictor keeps the stored types
+    layers = [n for n in mmproj.tensor_names if n.startswith("a.gen.code.blk.")]
+    head = mmproj.span(L.CP_HEAD)[1] // cp.n_groups  # one per pass
+    projection = [n for n in mmproj.tensor_names if n == L.CP_PROJ_IN + ".weight"]
+    read = [*layers, L.CP_OUTPUT_NORM, *projection]
+    assert cp.bytes_per_pass == sum(mmproj.span(n)[1] for n in read) + head
+    assert cost["code_predictor"]["bytes"] == cp.n_groups * cp.bytes_per_pass
+    assert cost["decoder"]["macs"] == runtime.codec.macs_per_frame
 
 
 @pytest.mark.subprocess

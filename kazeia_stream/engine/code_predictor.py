@@ -46,7 +46,7 @@ from ..model import gguf_layout as L
 from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile
 from ..model.llama import init_backend
-from .llm import EmbeddingLM, LMOptions
+from .llm import EmbeddingLM, LMOptions, kv_f32_for
 from .threads import SharedCores
 
 ARCH = "qwen3"
@@ -204,13 +204,11 @@ class _Weights:
         ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, nbytes)
 
 
-def build_llama_model(
-    f: GGUFFile, cfg: CodePredictorConfig, exact: bool = False
-) -> tuple[llama_cpp.llama_model_p, int]:
+def build_llama_model(plan: _Plan, cfg: CodePredictorConfig) -> tuple[llama_cpp.llama_model_p, int]:
     """A libllama `qwen3` model holding the code predictor (weights copied), and the address of
     its output tensor (struct ggml_tensor), whose data pointer selects the head."""
     init_backend()
-    plan = _Plan(f, cfg.num_layers, exact)
+    f = plan.file
     header = _metadata(plan, cfg)
     buf = ctypes.create_string_buffer(header, len(header))
     meta = ggml.gguf_init_from_buffer(buf, len(header), GGUFInitParams(True, None))
@@ -287,10 +285,18 @@ class CodePredictor:
         # our copy of the heads (stored type); the output tensor points into it
         self._heads = np.array(f.raw(L.CP_HEAD))
         self._head_bytes = self._heads[0].nbytes
-        model, output = build_llama_model(f, cfg, exact)
+        plan = _Plan(f, cfg.num_layers, exact)
+        model, output = build_llama_model(plan, cfg)
+        # what a pass reads: every matrix libllama holds (one head: `output`), our projection
+        read = [dst for dst in plan.types if dst not in _UNUSED]
+        self.bytes_per_pass = sum(plan.nbytes(dst) for dst in read)
+        self.params_per_pass = sum(int(np.prod(plan.shape(dst))) for dst in read)
+        if self._proj is not None:
+            self.bytes_per_pass += self._proj[0].nbytes
+            self.params_per_pass += self._proj[0].size
         self._model: llama_cpp.llama_model_p | None = model
         self._output = GGMLTensor.from_address(output)
-        kv_f32 = exact or f.tensor_type(L.CP_FFN_UP.format(bid=0)) == QType.F32
+        kv_f32 = exact or kv_f32_for(f.tensor_type(L.CP_FFN_UP.format(bid=0)))
         self._lm = EmbeddingLM(
             model,
             cfg.hidden_size,
