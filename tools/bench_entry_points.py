@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Time the command line from process start, as a user runs it: `--pipe` (first PCM byte and
+the whole run) and `-o FILE` (the whole run), for the same text and seed, `--repeat` times
+each, interleaved. With `--busy`, the same again beside one other process spinning on one core.
+Prints one JSON line: the medians (s), and with --busy each one's ratio to the quiet run.
+
+    python tools/bench_entry_points.py --model M --repeat 3 --busy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def pipe(model: str, seed: int) -> tuple[float, float]:
+    """(first byte, whole run) of `kazeia-stream --pipe`, from process start."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kazeia_stream", "--pipe", "--model", model, "--seed", str(seed)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(TEXT.encode() + b"\n")
+    proc.stdin.close()
+    if not proc.stdout.read(1):
+        raise SystemExit("--pipe wrote nothing")
+    first = time.perf_counter() - start
+    proc.stdout.read()
+    if proc.wait():
+        raise SystemExit(f"--pipe exited with {proc.returncode}")
+    return first, time.perf_counter() - start
+
+
+def output(model: str, seed: int, path: Path) -> float:
+    """The whole run of `kazeia-stream -o FILE`, from process start."""
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "kazeia_stream", "--model", model, "--seed", str(seed), "-o", str(path), TEXT],
+        check=True,
+        stderr=subprocess.DEVNULL,
+    )
+    return time.perf_counter() - start
+
+
+def measure(model: str, repeat: int, seed: int) -> dict[str, float]:
+    firsts, pipes, outs = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeat):
+            first, whole = pipe(model, seed)
+            firsts.append(first)
+            pipes.append(whole)
+            outs.append(output(model, seed, Path(tmp) / "out.wav"))
+    return {
+        "pipe_first_byte_s": round(statistics.median(firsts), 3),
+        "pipe_wall_s": round(statistics.median(pipes), 3),
+        "output_wall_s": round(statistics.median(outs), 3),
+        "output_over_pipe": round(statistics.median(outs) / statistics.median(pipes), 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--busy", action="store_true", help="also measure beside one spinning process")
+    args = ap.parse_args()
+    result: dict[str, object] = {"quiet": measure(args.model, args.repeat, args.seed)}
+    if args.busy:
+        spinner = multiprocessing.Process(target=_spin, daemon=True)
+        spinner.start()
+        try:
+            busy = measure(args.model, args.repeat, args.seed)
+        finally:
+            spinner.terminate()
+        quiet = result["quiet"]
+        assert isinstance(quiet, dict)
+        result["busy"] = busy
+        keys = ("pipe_first_byte_s", "pipe_wall_s", "output_wall_s")
+        result["busy_over_quiet"] = {key: round(busy[key] / quiet[key], 2) for key in keys}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
