@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llama_cpp._ggml import libggml as ggml
 
 _c = ctypes
@@ -78,9 +80,26 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "ggml_get_data": ([_c.c_void_p], _c.c_void_p),
     "ggml_nbytes": ([_c.c_void_p], _c.c_size_t),
     "ggml_backend_tensor_set": ([_c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_size_t], None),
+    # type, src, dst, start, nrows, n_per_row, imatrix
+    "ggml_quantize_chunk": (
+        [_c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_void_p],
+        _c.c_size_t,
+    ),
 }
 
 for _name, (_args, _ret) in _SIGNATURES.items():
     _fn = getattr(ggml, _name)
     _fn.argtypes = _args
     _fn.restype = _ret
+
+
+def quantize(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """float32 rows [..., n] in `qtype`, by libggml's own quantizer (as llama.cpp's tools
+    quantize): the bytes of each row, [..., n / block * type size]."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    *lead, n = rows.shape
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    out = np.empty((*lead, n // block * type_size), np.uint8)
+    nrows = rows.size // n
+    ggml.ggml_quantize_chunk(int(qtype), rows.ctypes.data, out.ctypes.data, 0, nrows, n, None)
+    return out

@@ -36,6 +36,7 @@ from .engine.threads import SharedCores, Threads
 from .errors import EmptyTextError, UsageError
 from .model import Model
 from .model import gguf_layout as L
+from .model.gguf_file import GGUFFile
 from .model.model import VoiceArg
 from .model.prompt import Prompt
 from .model.segments import split_text
@@ -64,8 +65,9 @@ class Runtime:
         n_batch = max(LMOptions.n_batch, (PREFILL_PIECE + 1) * max_streams)
         kv_f32 = kv_f32_for(model.talker_file.tensor_type(L.TALKER_FFN_UP.format(bid=0)))
         with ThreadPoolExecutor(1) as loader:
-            # reading the decoder's weights (no GIL held) overlaps with building the contexts
-            codec = loader.submit(CodecDecoder, model.mmproj_file, self.threads.decoder)
+            # reading the decoder's weights and its first decode (no GIL held) overlap with
+            # building the contexts and their warm-up
+            codec = loader.submit(_warm_decoder, model.mmproj_file, self.threads.decoder)
             self.talker = Talker(
                 model.llama_model.ptr,
                 cfg.talker,
@@ -79,6 +81,7 @@ class Runtime:
                 cores=self.cores,
                 max_streams=max_streams,
             )
+            self._warm_up()
             self.codec = codec.result()
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
@@ -86,7 +89,6 @@ class Runtime:
         self.decoder = Decoder(self.codec, self.cores, lambda: self.admission.active)
         # the decoder state after each in-context voice's reference frames
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
-        self._warm_up()
 
     @property
     def max_streams(self) -> int:
@@ -100,12 +102,12 @@ class Runtime:
         return await trio.to_thread.run_sync(lambda: cls(model, threads, max_streams))
 
     def _warm_up(self) -> None:
-        """One throw-away step through every engine, so that the first utterance does not pay
-        for faulting the memory-mapped weights in and for first-call setup (measured on the
-        0.6B: about 0.3 s of its time to first audio)."""
+        """One throw-away step through the talker and the code predictor (the decoder's is
+        `_warm_decoder`), so that the first utterance does not pay for faulting the
+        memory-mapped weights in and for first-call setup (measured on the 0.6B: about 0.3 s
+        of its time to first audio)."""
         hidden, _ = self.talker.prefill(TalkerState(), self.model.pad_embedding[None])
         self.code_predictor.predict(hidden, 0, lambda logits: 0)
-        self.codec.decode(np.zeros((1, self.model.config.codec.num_quantizers), dtype=np.int64))
 
     # -- streams on the engines --------------------------------------------------------------
 
@@ -283,6 +285,13 @@ class Runtime:
                     yield session
                 finally:
                     nursery.cancel_scope.cancel()
+
+
+def _warm_decoder(mmproj: GGUFFile, threads: int) -> CodecDecoder:
+    """The codec decoder, after one throw-away frame (see `Runtime._warm_up`)."""
+    codec = CodecDecoder(mmproj, threads)
+    codec.decode(np.zeros((1, codec.num_groups), dtype=np.int64))
+    return codec
 
 
 def _in_trio() -> bool:

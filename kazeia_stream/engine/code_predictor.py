@@ -38,10 +38,10 @@ import gguf
 import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from ..errors import ModelFileError
-from ..ggml_lib import GGMLTensor, GGUFInitParams, ggml
+from ..ggml_lib import GGMLTensor, GGUFInitParams, ggml, quantize
 from ..model import gguf_layout as L
 from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile

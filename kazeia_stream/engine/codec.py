@@ -298,7 +298,7 @@ class CausalTransConv:
             raise ValueError(f"transposed conv kernel {k} with stride {stride} is not supported")
         self.k, self.s, self.c_out = k, stride, c_out
         # a copy: the transposed view as the left operand measured ~15% slower per frame
-        self.w = np.ascontiguousarray(weight.reshape(c_in, c_out * k).T)
+        self.w = _transposed(weight.reshape(c_in, c_out * k))
         self.bias = bias.astype(F32)[:, None, None]
 
     def new_state(self) -> np.ndarray:
@@ -873,6 +873,16 @@ def _blocks(
 def _tensor(f: GGUFFile, name: str) -> np.ndarray:
     """Float32, in memory the process owns, in the stored layout (`GGUFFile.read`)."""
     return f.read(name)
+
+
+def _transposed(w: np.ndarray, columns: int = 16) -> np.ndarray:
+    """w.T, C-contiguous. numpy copies a transposed view in the output's order, reading one
+    float per source cache line; a few columns at a time keep those lines in cache (2.5x
+    faster for the 75 MB of the first decoder block's transposed conv)."""
+    out = np.empty(w.shape[::-1], F32)
+    for i in range(0, w.shape[0], columns):
+        out[:, i : i + columns] = w[i : i + columns].T
+    return out
 
 
 def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
