@@ -228,7 +228,7 @@ def test_the_talker_s_kv_cache_has_the_type_that_goes_with_its_weights(tiny_runt
 
 
 @pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
-def test_read_gives_every_tensor_as_the_mapping_does(tiny_gguf, out_type):
+def test_load_and_read_give_every_tensor_as_the_mapping_does(tiny_gguf, out_type):
     from kazeia_stream.model.gguf_file import GGUFFile
 
     for path in tiny_gguf("custom_voice", out_type):
@@ -236,4 +236,6 @@ def test_read_gives_every_tensor_as_the_mapping_does(tiny_gguf, out_type):
         for name in f.tensor_names[::7]:
             read, mapped = f.read(name), f.tensor(name)
             assert read.dtype == np.float32 and np.array_equal(read, mapped)
-            assert not isinstance(read, np.memmap)
+            loaded, raw = f.load(name), f.raw(name)
+            assert loaded.dtype == raw.dtype and np.array_equal(loaded, raw)
+            assert not isinstance(read, np.memmap) and not isinstance(loaded, np.memmap)

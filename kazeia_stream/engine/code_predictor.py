@@ -113,12 +113,11 @@ class _Plan:
             return np.ascontiguousarray(self.file.raw(L.CP_HEAD)[0])
         src = self.sources[dst]
         stored, wanted = self.file.tensor_type(src), self.types[dst]
-        raw = self.file.raw(src)
         if wanted == stored:
-            return np.ascontiguousarray(raw)
+            return self.file.load(src)
         if wanted == QType.F16:
-            return np.asarray(raw, dtype=np.float32).astype(np.float16)
-        return quantize(np.asarray(raw, dtype=np.float32), wanted)
+            return self.file.read(src).astype(np.float16)
+        return quantize(self.file.read(src), wanted)
 
     def nbytes(self, dst: str) -> int:
         *rows, cols = self.shape(dst)
@@ -283,7 +282,7 @@ class CodePredictor:
                 f.tensor(L.CP_PROJ_IN + ".bias"),
             )
         # our copy of the heads (stored type); the output tensor points into it
-        self._heads = np.array(f.raw(L.CP_HEAD))
+        self._heads = f.load(L.CP_HEAD)
         self._head_bytes = self._heads[0].nbytes
         plan = _Plan(f, cfg.num_layers, exact)
         model, output = build_llama_model(plan, cfg)

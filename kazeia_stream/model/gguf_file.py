@@ -161,22 +161,32 @@ class GGUFFile:
         offset = self._data_offset + ggml.gguf_get_tensor_offset(self._ctx, tid)
         return offset, ggml.gguf_get_tensor_size(self._ctx, tid)
 
-    @cached_property
-    def _mapped(self) -> np.memmap:
-        """The whole file, mapped once (mapping a file costs ~2 ms; its pages come in as they
-        are touched)."""
-        return np.memmap(self.path, dtype=np.uint8, mode="r")
+    def _layout(self, name: str) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        """The numpy dtype and shape of the stored data: plain types as they are, quantized
+        rows as bytes."""
+        qtype, shape = self.tensor_type(name), self.tensor_shape(name)
+        if qtype in _PLAIN_DTYPES:
+            return np.dtype(_PLAIN_DTYPES[qtype]), shape
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        return np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * type_size)
 
     def raw(self, name: str) -> np.ndarray:
-        """The stored data, memory-mapped: plain types in their dtype, quantized rows as bytes."""
-        qtype = self.tensor_type(name)
-        shape = self.tensor_shape(name)
+        """The stored data, memory-mapped (a mapping of its own, gone with the array)."""
+        dtype, shape = self._layout(name)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.span(name)[0], shape=shape)
+
+    def load(self, name: str) -> np.ndarray:
+        """The stored data (as `raw`) read into memory the process owns: one read, no page
+        faults, nothing left mapped, and huge pages for large arrays (faster to stream through
+        than a mapping's 4 KiB pages, which the kernel may drop)."""
+        dtype, shape = self._layout(name)
         offset, size = self.span(name)
-        data = self._mapped[offset : offset + size]
-        if qtype in _PLAIN_DTYPES:
-            return data.view(_PLAIN_DTYPES[qtype]).reshape(shape)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        return data.reshape(*shape[:-1], shape[-1] // block * type_size)
+        data = np.empty(shape, dtype)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(offset)
+            if f.readinto(data.view(np.uint8).reshape(-1).data) != size:
+                raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
+        return data
 
     def rows(self, name: str, ids: np.ndarray | list[int], table: int | None = None) -> np.ndarray:
         """Rows of a 2-D tensor (or of table `table` of a 3-D one) as float32, dequantized if
@@ -199,19 +209,12 @@ class GGUFFile:
         return dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
 
     def read(self, name: str) -> np.ndarray:
-        """A whole tensor as float32 in memory the process owns, read from the file: numpy
-        gives large arrays huge pages, faster to stream through than a mapping's 4 KiB pages
-        (which the kernel may drop), and one read per tensor costs no page faults."""
-        qtype = self.tensor_type(name)
-        if qtype not in _PLAIN_DTYPES:
-            return self.tensor(name)
-        offset, size = self.span(name)
-        data = np.empty(self.tensor_shape(name), _PLAIN_DTYPES[qtype])
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(offset)
-            if f.readinto(data.view(np.uint8).reshape(-1).data) != size:
-                raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
-        return data.astype(np.float32, copy=False)
+        """A whole tensor as float32 in memory the process owns (`load`, dequantized if
+        needed)."""
+        data, qtype = self.load(name), self.tensor_type(name)
+        if qtype in _PLAIN_DTYPES:
+            return data.astype(np.float32, copy=False)
+        return dequantize(data, qtype).astype(np.float32, copy=False)
 
     def _tensor_id(self, name: str) -> int:
         tid = ggml.gguf_find_tensor(self._ctx, name.encode())
