@@ -89,7 +89,7 @@ def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
     return {
         "talker": {
             "bytes": sum(f.span(n)[1] for n in names),
-            "macs": sum(math.prod(f.tensor_shape(n)) for n in names if len(f.tensor_shape(n)) > 1),
+            "macs": sum(math.prod(shape) for shape in map(f.tensor_shape, names) if len(shape) > 1),
         },
         "code_predictor": {
             "bytes": cp.n_groups * cp.bytes_per_pass,
@@ -111,7 +111,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     each figure over its floor."""
     cost = costs(runtime)
     threads = runtime.threads.talker
-    bandwidth = {1: read_gb_s(1), threads: read_gb_s(threads)}
+    bandwidth = {n: read_gb_s(n) for n in sorted({1, threads})}
     floor_ms = {
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
     }

@@ -32,9 +32,9 @@ log = logging.getLogger("kazeia_stream")
 
 MODEL_ENV = "KAZEIA_MODEL"
 API_KEY_ENV = "KAZEIA_API_KEY"
-# The servers' utterances at once. Each holds a talker KV cache (0.94 GB at 4096 positions, F32,
-# on the 0.6B and 1.7B); 4 gave 1.5x one stream's throughput on 2 cores, 8 gave 1.9x for twice
-# the memory (README, "Several streams at once").
+# The servers' utterances at once. Each holds a talker KV cache (2048 positions: 235 MB in F16
+# beside quantized weights, 470 MB in F32, on the 0.6B and 1.7B); 4 gave 1.5x one stream's
+# throughput on 2 cores, 8 gave 1.9x for twice the memory (README, "Several streams at once").
 DEFAULT_SERVER_STREAMS = 4
 
 

@@ -278,8 +278,8 @@ class CodePredictor:
         self._proj: tuple[np.ndarray, np.ndarray] | None = None  # weight [hidden, talker], bias
         if cfg.has_projection:
             self._proj = (
-                np.ascontiguousarray(f.tensor(L.CP_PROJ_IN + ".weight")),
-                f.tensor(L.CP_PROJ_IN + ".bias"),
+                f.read(L.CP_PROJ_IN + ".weight"),
+                f.read(L.CP_PROJ_IN + ".bias"),
             )
         # our copy of the heads (stored type); the output tensor points into it
         self._heads = f.load(L.CP_HEAD)

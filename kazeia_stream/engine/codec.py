@@ -333,7 +333,7 @@ class ConvNeXtBlock:
         self.norm_w, self.norm_b = norm_w[:, None], norm_b[:, None]
         self.pw1 = Linear(*_pair(f, L.WAV_UP_PW1.format(bid=bid)))
         self.pw2 = Linear(*_pair(f, L.WAV_UP_PW2.format(bid=bid)))
-        self.gamma = _tensor(f, L.WAV_UP_GAMMA.format(bid=bid))[:, None]
+        self.gamma = f.read(L.WAV_UP_GAMMA.format(bid=bid))[:, None]
 
     def new_state(self) -> ContextBuffer:
         return self.dwconv.new_state()
@@ -409,7 +409,7 @@ class TransformerLayer:
     the window."""
 
     def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
-        t = lambda name: _tensor(f, name.format(bid=bid))
+        t = lambda name: f.read(name.format(bid=bid))
         wq, wk, wv = t(L.WAV_TFM_ATTN_Q), t(L.WAV_TFM_ATTN_K), t(L.WAV_TFM_ATTN_V)
         self.head_dim, self.eps = head_dim, eps
         self.n_heads, self.n_kv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
@@ -511,7 +511,7 @@ class Transformer:
         self.n_slots = self.window - 1 + max_step
         self.in_proj = Linear(*_pair(f, L.WAV_TFM_IN_PROJ))
         self.out_proj = Linear(*_pair(f, L.WAV_TFM_OUT_PROJ))
-        self.norm = _tensor(f, L.WAV_TFM_OUTPUT_NORM)[:, None]
+        self.norm = f.read(L.WAV_TFM_OUTPUT_NORM)[:, None]
         self.layers = [
             TransformerLayer(f, bid, head_dim, self.eps) for bid in range(_count(f, L.WAV_TFM_ATTN_Q))
         ]
@@ -560,8 +560,8 @@ class Quantizer:
         self.first_cb = f.tensor(L.WAV_QUANT_FIRST_CB)  # [size, dim]
         size, dim = self.first_cb.shape
         self.rest_cb = f.tensor(L.WAV_QUANT_REST_CB).reshape(-1, size, dim)  # [groups - 1, size, dim]
-        self.first_out = Linear(_tensor(f, L.WAV_QUANT_FIRST_OUT).reshape(-1, dim))
-        self.rest_out = Linear(_tensor(f, L.WAV_QUANT_REST_OUT).reshape(-1, dim))
+        self.first_out = Linear(f.read(L.WAV_QUANT_FIRST_OUT).reshape(-1, dim))
+        self.rest_out = Linear(f.read(L.WAV_QUANT_REST_OUT).reshape(-1, dim))
         self.num_groups = 1 + len(self.rest_cb)
         self.codebook_size = size
 
@@ -870,11 +870,6 @@ def _blocks(
 # ---------------------------------------------------------------------------------------------
 
 
-def _tensor(f: GGUFFile, name: str) -> np.ndarray:
-    """Float32, in memory the process owns, in the stored layout (`GGUFFile.read`)."""
-    return f.read(name)
-
-
 def _transposed(w: np.ndarray, columns: int = 16) -> np.ndarray:
     """w.T, C-contiguous. numpy copies a transposed view in the output's order, reading one
     float per source cache line; a few columns at a time keep those lines in cache (2.5x
@@ -886,7 +881,7 @@ def _transposed(w: np.ndarray, columns: int = 16) -> np.ndarray:
 
 
 def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    return _tensor(f, prefix + ".weight"), _tensor(f, prefix + ".bias")
+    return f.read(prefix + ".weight"), f.read(prefix + ".bias")
 
 
 def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
@@ -897,7 +892,7 @@ def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _snake(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    return _tensor(f, prefix + ".alpha"), _tensor(f, prefix + ".beta")
+    return f.read(prefix + ".alpha"), f.read(prefix + ".beta")
 
 
 def _count(f: GGUFFile, pattern: str) -> int:

@@ -47,7 +47,7 @@ from threadpoolctl import ThreadpoolController
 from ..errors import ModelFileError
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from .codec import Linear, _gelu, _rope, _tensor
+from .codec import Linear, _gelu, _rope
 
 F32 = np.float32
 # np.pad modes of Mimi's pad modes (MimiConv1d._pad1d: torch.nn.functional.pad).
@@ -174,7 +174,7 @@ class TransformerLayer:
     """MimiTransformerLayer: pre-LayerNorm attention and GELU MLP, each scaled per channel."""
 
     def __init__(self, f: GGUFFile, bid: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
-        t = lambda name: _tensor(f, name.format(bid=bid))
+        t = lambda name: f.read(name.format(bid=bid))
         names = [L.ENC_TFM_ATTN_Q, L.ENC_TFM_ATTN_K, L.ENC_TFM_ATTN_V]
         w = [t(n + ".weight") for n in names]
         if [len(a) for a in w] != [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]:
@@ -295,7 +295,7 @@ class CodecEncoder:
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(F32) / F32(head_dim)
         self.inv_freq = (F32(1.0) / (F32(float(key("rope_theta"))) ** exponents)).astype(F32)
 
-        down = _tensor(f, L.ENC_DOWNSAMPLE)
+        down = f.read(L.ENC_DOWNSAMPLE)
         self.downsample = CausalConv(
             down, None, stride=int(f.require(L.KEY_ENC_DOWNSAMPLE_STRIDE)), pad_mode=down_pad
         )
@@ -363,15 +363,15 @@ class CodecEncoder:
 def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """A Conv1d kernel [C_out, C_in, k] and its bias; C_out from the bias, since the GGUF shape
     drops a leading 1."""
-    w, b = _tensor(f, prefix + ".weight"), _tensor(f, prefix + ".bias")
+    w, b = f.read(prefix + ".weight"), f.read(prefix + ".bias")
     return w.reshape(len(b), -1, w.shape[-1]), b
 
 
 def _optional(f: GGUFFile, name: str) -> np.ndarray | None:
-    return _tensor(f, name) if f.has_tensor(name) else None
+    return f.read(name) if f.has_tensor(name) else None
 
 
 def _codebooks(f: GGUFFile, name: str) -> np.ndarray:
     """[n, size, dim] (the GGUF shape drops n when it is 1)."""
-    cb = _tensor(f, name)
+    cb = f.read(name)
     return np.ascontiguousarray(cb.reshape(-1, *cb.shape[-2:]))

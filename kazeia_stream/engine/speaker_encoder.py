@@ -308,8 +308,8 @@ class SpeakerEncoder:
 def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """A Conv1d kernel [C_out, C_in, k] (a 2-D one is k = 1) and its bias, float32 (F16 files
     are dequantized)."""
-    w = np.array(f.tensor(prefix + ".weight"), dtype=F32)
-    b = np.array(f.tensor(prefix + ".bias"), dtype=F32).reshape(-1)
+    w = f.read(prefix + ".weight")
+    b = f.read(prefix + ".bias").reshape(-1)
     if w.ndim == 2:
         w = w[:, :, None]
     return w.reshape(len(b), -1, w.shape[-1]), b

@@ -194,27 +194,23 @@ class GGUFFile:
         data = self.raw(name)
         if table is not None:
             data = data[table]
-        data = data[np.asarray(ids, dtype=np.int64)]
-        qtype = self.tensor_type(name)
-        if qtype in _PLAIN_DTYPES:
-            return data.astype(np.float32)
-        return dequantize(data, qtype).astype(np.float32, copy=False)
+        return self._float32(name, data[np.asarray(ids, dtype=np.int64)])
 
     def tensor(self, name: str) -> np.ndarray:
-        """A whole tensor as float32."""
-        qtype = self.tensor_type(name)
-        data = self.raw(name)
-        if qtype in _PLAIN_DTYPES:
-            return np.asarray(data, dtype=np.float32)
-        return dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
+        """A whole tensor as float32 (mapped, when stored as float32)."""
+        return self._float32(name, self.raw(name))
 
     def read(self, name: str) -> np.ndarray:
         """A whole tensor as float32 in memory the process owns (`load`, dequantized if
         needed)."""
-        data, qtype = self.load(name), self.tensor_type(name)
+        return self._float32(name, self.load(name))
+
+    def _float32(self, name: str, data: np.ndarray) -> np.ndarray:
+        """Stored data of tensor `name` (or rows of it) as float32: a view when it is float32."""
+        qtype = self.tensor_type(name)
         if qtype in _PLAIN_DTYPES:
-            return data.astype(np.float32, copy=False)
-        return dequantize(data, qtype).astype(np.float32, copy=False)
+            return np.asarray(data, dtype=np.float32)
+        return dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
 
     def _tensor_id(self, name: str) -> int:
         tid = ggml.gguf_find_tensor(self._ctx, name.encode())
