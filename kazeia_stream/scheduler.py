@@ -10,8 +10,11 @@ reading the weights, so a pass over several streams costs little more than one.
 - Admission: at most `max_streams` streams hold talker slots; the others wait in order (FIFO).
 - Continuous batching: a stream joins or leaves between passes; a pass waits up to `GATHER_S`
   for the streams of the previous pass to ask again, so that they stay in step.
-- First audio first: a stream's first frame is decoded in a pass of its own, ahead of other
-  streams' later frames, so that its time to first audio stays short.
+- First audio first: a stream that has not begun does not wait for the pass running to end:
+  it begins at that pass's next engine call boundary (after the talker's step, or between two
+  code-predictor passes), with one prefill piece and, when that was its last, its first frame;
+  that frame is decoded in a pass of its own, ahead of other streams' later frames, so that
+  its time to first audio stays short.
 - Calls that need the engines alone (a session's prefix rows, a voice's decoder priming) run
   between passes, in the engines' thread.
 
@@ -208,6 +211,7 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
         super().__init__("kazeia-generator")
         self.frames = frames
         self._others = False  # the pass being taken leaves other streams waiting
+        self._going: list[FrameState] = []  # streams of the pass that go on
 
     def start(self, *args: Any) -> FrameState:
         """`FrameLoop.start` (takes a talker slot)."""
@@ -241,21 +245,42 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
         return self._ask_sync(state)
 
     def _take(self) -> list[tuple[FrameState, _Result[np.ndarray | None]]]:
-        """Streams that have not begun alone, when there are any (their first frame comes ahead
-        of the others' later ones; a prefill of several pieces goes on beside the others), else
-        every queued stream."""
-        new = [(s, r) for s, r in self._queue if s.prefill is None]
-        if not new:
+        """Streams that have begun, whose pass takes the others in at its first call boundary
+        (`_between`); streams that have not begun alone, when no other stream is queued."""
+        begun = [(s, r) for s, r in self._queue if s.prefill is not None]
+        if not begun:
+            self._others = bool(self._expected)
             return super()._take()
-        self._queue = [(s, r) for s, r in self._queue if s.prefill is not None]
-        self._others = bool(self._queue or self._expected)
-        return new
+        self._queue = [(s, r) for s, r in self._queue if s.prefill is None]
+        return begun
 
     def _pass(self, batch: list[tuple[FrameState, _Result[np.ndarray | None]]]) -> None:
+        self._going = []
         states = [state for state, _ in batch]
-        codes = self.frames.next_frames(states, others=self._others)
+        self._serve(batch, self.frames.next_frames(states, self._others, self._between))
         self._others = False
-        going = []
+        with self._cond:
+            self._expected = self._going
+
+    def _between(self, first_seq: int) -> None:
+        """Between two engine calls of a pass: streams that have not begun yet begin, so that
+        their first frame comes ahead of the others' later ones (a pass over them there: one
+        prefill piece each and, when that was the last, their first frame), in the code
+        predictor's sequences from `first_seq` on (a stream that left during the pass may have
+        handed its talker slot on: the ones that do not fit wait)."""
+        room = self.frames.code_predictor.max_streams - first_seq
+        with self._cond:
+            new = [(s, r) for s, r in self._queue if s.prefill is None][:room]
+            if not new:
+                return
+            self._queue = [(s, r) for s, r in self._queue if all(r is not n for _, n in new)]
+        states = [state for state, _ in new]
+        self._serve(new, self.frames.next_frames(states, others=True, first_seq=first_seq))
+
+    def _serve(
+        self, batch: list[tuple[FrameState, _Result[np.ndarray | None]]], codes: list[np.ndarray | None]
+    ) -> None:
+        """Hand each stream its frame; a stream still prefilling goes back to the queue's head."""
         with self._cond:
             for (state, result), c in zip(batch, codes):
                 if state.prefilling and not state.done:  # no frame yet: in the next pass again
@@ -263,8 +288,7 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
                 else:
                     result.set(c)
                     if c is not None:
-                        going.append(state)
-            self._expected = going
+                        self._going.append(state)
 
 
 class _Decode:

@@ -18,6 +18,7 @@ from test_synthesis import run_cli
 
 import kazeia_stream
 from kazeia_stream.engine.frames import GenerationOptions
+from kazeia_stream.scheduler import Generator, _Result
 
 TEXTS = {
     ("ryan", 1): "Hello there, this is the first of three streams.",
@@ -173,6 +174,40 @@ async def test_a_stream_that_joins_running_ones_gets_its_first_audio_within_a_fe
         nursery.start_soon(runner)
         nursery.start_soon(joiner)
     assert got["first"] <= 4
+
+
+def test_a_stream_that_has_not_begun_begins_inside_the_pass_running(shared, solo_runtime):
+    """It does not wait for the others' pass to end: it begins at that pass's first call
+    boundary (one prefill piece, and its first frame when that was the last), and its codes
+    are its solo ones."""
+    model, frames = shared.model, shared.frames
+    prompts = {key: model.prompt(text, voice=key[0]) for key, text in TEXTS.items()}
+
+    def start(loop, key):
+        prompt = prompts[key]
+        options = GenerationOptions(seed=key[1])
+        return loop.start(prompt, model.text_feed(prompt), options, np.random.default_rng(key[1]))
+
+    running = [start(frames, ("ryan", 1)), start(frames, ("vivian", 2))]
+    while any(s.prefilling for s in running):
+        frames.next_frames(running)
+    new = start(frames, ("aiden", 3))
+    generator = Generator(frames)  # driven here, in this thread
+    results = {id(s): _Result[np.ndarray | None](in_trio=False) for s in [*running, new]}
+    generator._queue = [(s, results[id(s)]) for s in [*running, new]]
+    batch = generator._take()
+    assert [s for s, _ in batch] == running
+    generator._pass(batch)
+    assert all(results[id(s)]._done.is_set() for s in running)
+    assert new.prefill is not None  # begun inside the running streams' pass
+    while not results[id(new)]._done.is_set():
+        generator._pass(generator._take())
+    codes = results[id(new)].wait()
+    for state in [*running, new]:
+        frames.finish(state)
+    solo = start(solo_runtime.frames, ("aiden", 3))
+    np.testing.assert_array_equal(codes, solo_runtime.frames.next_frame(solo))
+    solo_runtime.frames.finish(solo)
 
 
 async def test_barge_in_on_one_stream_leaves_the_others_as_they_were(shared, alone):

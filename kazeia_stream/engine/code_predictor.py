@@ -23,7 +23,8 @@ within ~1e-6 of float32). An all-F32 file is the same either way.
 
 No state survives a call: each frame's passes restart at position 0 and each decode points the
 output tensor at its head first. `predict_many` runs the passes of up to `max_streams` streams
-together, each its own sequence. One CodePredictor serves one thread at a time (the runtime's
+together, each its own sequence; between two of its passes, another call may run in the
+sequences it does not use. One CodePredictor serves one thread at a time (the runtime's
 generator thread), since that pointer and the KV cache are the engine's scratch space.
 """
 
@@ -345,21 +346,30 @@ class CodePredictor:
         return codes[0], embeds[0]
 
     def predict_many(
-        self, hidden: np.ndarray, code0: Sequence[int], samplers: Sequence[Callable[[np.ndarray], int]]
+        self,
+        hidden: np.ndarray,
+        code0: Sequence[int],
+        samplers: Sequence[Callable[[np.ndarray], int]],
+        between: Callable[[int], None] | None = None,
+        first_seq: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
         """`predict` for several streams at once (hidden [S, talker hidden], one code0 and one
         sampler each), every pass one decode of all of them: codes [S, 16], embeddings [S, H].
-        Each stream is its own sequence, so its codes do not depend on the others."""
+        Each stream is its own sequence (`first_seq` onwards), so its codes do not depend on the
+        others; `between(seq)` runs between two passes, and may predict other streams' frames
+        in the sequences from `seq` on."""
         n = len(code0)
-        if n > self.max_streams:
-            raise ValueError(f"{n} streams > the code predictor's {self.max_streams}")
+        if first_seq + n > self.max_streams:
+            raise ValueError(f"{first_seq + n} sequences > the code predictor's {self.max_streams}")
         codes = np.empty((n, self.n_groups + 1), dtype=np.int64)
         codes[:, 0] = code0
+        seqs = range(first_seq, first_seq + n)
         parts = [
-            (s, np.stack([np.asarray(hidden[s], dtype=np.float32), self._talker_embd.row(int(code0[s]))]), 0)
-            for s in range(n)
+            (seq, np.stack([np.asarray(h, np.float32), self._talker_embd.row(int(c))]), 0)
+            for seq, h, c in zip(seqs, hidden, code0)
         ]
-        self._lm.clear(clear_data=False)
+        for seq in seqs:
+            self._lm.keep(0, seq)
         for j in range(1, self.n_groups + 1):
             logits = self._step(parts, j)
             for s in range(n):
@@ -369,7 +379,9 @@ class CodePredictor:
                         f"sampled code {code} of codebook {j} is outside 0..{self.vocab_size - 1}"
                     )
                 codes[s, j] = code
-            parts = [(s, self._embd.row(j - 1, int(codes[s, j]))[None], j + 1) for s in range(n)]
+            parts = [(seq, self._embd.row(j - 1, int(c))[None], j + 1) for seq, c in zip(seqs, codes[:, j])]
+            if between is not None and j < self.n_groups:
+                between(first_seq + n)
         return codes, np.stack([self.embed(c) for c in codes])
 
     def teacher_forced_logits(self, hidden: np.ndarray, codes: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ call, so a frame's codes reach the decoder as soon as the code predictor is done
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -197,11 +198,20 @@ class FrameLoop:
             if not state.prefilling:
                 return codes
 
-    def next_frames(self, states: list[FrameState], others: bool = False) -> list[np.ndarray | None]:
+    def next_frames(
+        self,
+        states: list[FrameState],
+        others: bool = False,
+        between: Callable[[int], None] | None = None,
+        first_seq: int = 0,
+    ) -> list[np.ndarray | None]:
         """One pass over several utterances, none of which `needs_text`: each one's next frame's
         codes, or None when it has ended or, `prefilling` still, got no frame in this pass.
         Prefills advance by one piece when the pass has steps or `others` (streams outside the
-        pass) wait for the engines; else they run whole."""
+        pass) wait for the engines; else they run whole. The pass's code predictor sequences
+        start at `first_seq`; `between(seq)` runs between two of its engine calls (after the
+        talker's, between the code predictor's), where a pass over other utterances may run
+        in the code predictor's sequences from `seq` on."""
         out: dict[FrameState, np.ndarray] = {}
         live = [s for s in states if not self._ended(s)]
         t0 = time.perf_counter()
@@ -250,11 +260,16 @@ class FrameLoop:
         going = [(s, c) for s, c, e in zip(ready, code0, ended) if not e]
         for s, e in zip(ready, ended):
             s.done = s.done or e
+        if between is not None:
+            between(first_seq + len(going))
+            t1 = time.perf_counter()
         if going:
             codes, embeds = self.code_predictor.predict_many(
                 np.stack([s.hidden for s, _ in going]),
                 [c for _, c in going],
                 [s.code_sampler for s, _ in going],
+                between,
+                first_seq,
             )
             t2 = time.perf_counter()
             for (s, _), c, e in zip(going, codes, embeds):
