@@ -263,22 +263,30 @@ async def _together(
     }
 
 
-async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int) -> float:
-    """Time to first audio of a stream that joins `streams - 1` running ones."""
-    result: list[float] = []
+async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int) -> list[float]:
+    """Times to first audio of short streams (2 frames) that join `streams - 1` running ones,
+    one after another, at spread moments (a joiner's wait depends on where the others' passes
+    are when it asks), until the running ones end."""
+    times: list[float] = []
+    delays = np.random.default_rng(seed).uniform(0.0, 0.5, size=frames)  # seconds between joiners
     async with trio.open_nursery() as nursery:
-        running = []
+        running = [trio.Event() for _ in range(streams - 1)]
+        ended = trio.Event()
+
+        async def runner(i: int) -> None:
+            await _stream(runtime, frames, voice, seed + i, running[i])
+            ended.set()
+
         for i in range(streams - 1):
-            running.append(trio.Event())
-            nursery.start_soon(_stream, runtime, frames, voice, seed + i, running[-1])
+            nursery.start_soon(runner, i)
         for event in running:
             await event.wait()
-
-        async def joiner() -> None:
-            result.append((await _stream(runtime, frames, voice, seed + streams)).ttfa_s or 0.0)
-
-        nursery.start_soon(joiner)
-    return result[0]
+        for k, delay in enumerate(delays):
+            await trio.sleep(float(delay))
+            if ended.is_set() and times:
+                break
+            times.append((await _stream(runtime, 2, voice, seed + streams + k)).ttfa_s or 0.0)
+    return times
 
 
 async def run_streams_bench(
@@ -286,7 +294,8 @@ async def run_streams_bench(
 ) -> dict[str, Any]:
     """`streams` utterances of `frames` frames started together, `repeat` times (medians),
     after a warm-up round that leaves every talker slot holding the session's fixed rows; then
-    the time to first audio of a stream alone and of one that joins `streams - 1` running ones."""
+    the time to first audio of a stream alone and of streams that join `streams - 1` running
+    ones (median and 95th percentile of all the joins of `repeat` rounds)."""
     voice = voice or runtime.model.default_voice
     await _together(runtime, 2, streams, voice, seed)
     results = [await _together(runtime, frames, streams, voice, seed) for _ in range(repeat)]
@@ -295,8 +304,9 @@ async def run_streams_bench(
         [(await _stream(runtime, 2, voice, seed)).ttfa_s or 0.0 for _ in range(repeat)]
     )
     if streams > 1:
-        result["join_ttfa_s"] = statistics.median(
-            [await _joining(runtime, frames, streams, voice, seed) for _ in range(repeat)]
-        )
+        joins = [t for _ in range(repeat) for t in await _joining(runtime, frames, streams, voice, seed)]
+        result["join_ttfa_s"] = statistics.median(joins)
+        result["join_ttfa_s_p95"] = round(float(np.percentile(joins, 95)), 3)
+        result["joins"] = len(joins)
     result["peak_rss_mb"] = round(peak_rss_mb(), 1)
     return result

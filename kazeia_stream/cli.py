@@ -343,7 +343,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench import run_streams_bench
 
         figures = trio.run(run_streams_bench, runtime, args.frames, args.streams, args.repeat, voice)
-        joined = f", {figures['join_ttfa_s']:.3f} s joining the others" if "join_ttfa_s" in figures else ""
+        joined = (
+            f", joining the others {figures['join_ttfa_s']:.3f} s, p95 {figures['join_ttfa_s_p95']:.3f} s"
+            if "join_ttfa_s" in figures
+            else ""
+        )
         _report(
             f"{figures['streams']} streams of {figures['frames']} frames: "
             f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all, RTF per stream "

@@ -295,7 +295,9 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     assert isinstance(figures["streams"], int) and isinstance(figures["frames"], int)
     assert 0 < figures["ttfa_s_p50"] <= figures["ttfa_s_p95"]
     assert figures["rtf_per_stream"] > 0 and figures["aggregate_audio_s_per_s"] > 0
-    assert figures["join_ttfa_s"] > 0 and figures["solo_ttfa_s"] > 0
+    assert figures["solo_ttfa_s"] > 0
+    # joins at spread moments while the others ran, at least one per round
+    assert figures["joins"] >= 2 and 0 < figures["join_ttfa_s"] <= figures["join_ttfa_s_p95"]
     # all three streams' audio (6 frames of 80 ms each) over the wall time (medians of two runs)
     assert figures["aggregate_audio_s_per_s"] == pytest.approx(3 * 6 * 0.08 / figures["wall_s"], rel=0.2)
 
