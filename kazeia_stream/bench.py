@@ -266,7 +266,8 @@ async def _together(
 async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int) -> list[float]:
     """Times to first audio of short streams (2 frames) that join `streams - 1` running ones,
     one after another, at spread moments (a joiner's wait depends on where the others' passes
-    are when it asks), until the running ones end."""
+    are when it asks), until the running ones end: from opening its session, as a server's
+    request does, to its first audio."""
     times: list[float] = []
     delays = np.random.default_rng(seed).uniform(0.0, 0.5, size=frames)  # seconds between joiners
     async with trio.open_nursery() as nursery:
@@ -285,7 +286,11 @@ async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg,
             await trio.sleep(float(delay))
             if ended.is_set() and times:
                 break
-            times.append((await _stream(runtime, 2, voice, seed + streams + k)).ttfa_s or 0.0)
+            heard, start = trio.Event(), time.perf_counter()
+            async with trio.open_nursery() as joiner:  # ends with the joiner
+                joiner.start_soon(_stream, runtime, 2, voice, seed + streams + k, heard)
+                await heard.wait()
+                times.append(time.perf_counter() - start)
     return times
 
 

@@ -226,8 +226,12 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
 
     def prepare(self, prompt: Prompt) -> None:
         """Compute a session's fixed rows ahead, between passes, in a slot free at that moment
-        (none: its utterances will). A stream that takes the slot meanwhile begins in a later
-        pass, which keeps or recomputes the rows."""
+        (none: its utterances will); at once when a free slot keeps them already, without
+        waiting for the pass running to end. A stream that takes the slot meanwhile begins in
+        a later pass, which keeps or recomputes the rows."""
+        with self._cond:
+            if self.frames.prepared(prompt):
+                return
 
         def prepare() -> None:
             with self._cond:

@@ -210,6 +210,20 @@ def test_a_stream_that_has_not_begun_begins_inside_the_pass_running(shared, solo
     solo_runtime.frames.finish(solo)
 
 
+def test_a_session_whose_rows_a_free_slot_keeps_opens_without_waiting_for_the_engines(shared, monkeypatch):
+    """Opening a session computes its fixed rows between passes, which waits for the pass in
+    flight; when a free slot keeps them already there is nothing to compute or wait for."""
+    probe = shared.probe("vivian", "auto", None)
+    shared.prepare(probe, "vivian")
+    waits = []
+    monkeypatch.setattr(shared.generator, "call", waits.append)
+    shared.prepare(probe, "vivian")
+    assert not waits
+    language = next(lang for lang in shared.model.languages if lang != "auto")
+    shared.prepare(shared.probe("vivian", language, None), "vivian")  # other fixed rows
+    assert len(waits) == 1
+
+
 async def test_barge_in_on_one_stream_leaves_the_others_as_they_were(shared, alone):
     out = {}
 

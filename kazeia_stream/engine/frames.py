@@ -185,6 +185,11 @@ class FrameLoop:
             self.free.remove(seq)
         return seq
 
+    def prepared(self, prompt: Prompt) -> bool:
+        """Whether a free talker slot keeps the prompt's fixed rows already."""
+        fixed = prompt.prefill[: prompt.n_fixed]
+        return any(self.talker.holds(seq, fixed) for seq in self.free)
+
     def prepare(self, prompt: Prompt, seq: int) -> None:
         """Compute a prompt's fixed rows into the free slot `seq` ahead of its utterances,
         between passes."""

@@ -44,9 +44,10 @@ class Talker:
 
     def slot_for(self, fixed: np.ndarray, free: list[int]) -> int:
         """Of the `free` slots, one that keeps the rows `fixed` if any, else the first."""
-        return next((seq for seq in free if self._holds(seq, fixed)), free[0])
+        return next((seq for seq in free if self.holds(seq, fixed)), free[0])
 
-    def _holds(self, seq: int, fixed: np.ndarray) -> bool:
+    def holds(self, seq: int, fixed: np.ndarray) -> bool:
+        """Whether slot `seq` keeps the rows `fixed`."""
         kept = self._fixed[seq]
         return kept is not None and np.array_equal(kept, fixed)
 
@@ -59,7 +60,7 @@ class Talker:
         way the arithmetic is the same, so results do not depend on what ran before."""
         fixed = embeds[:n_fixed]
         pieces = []
-        if self._holds(state.seq, fixed):
+        if self.holds(state.seq, fixed):
             self.lm.keep(n_fixed, state.seq)
         else:
             self._fixed[state.seq] = None
