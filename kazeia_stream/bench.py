@@ -269,7 +269,7 @@ async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg,
     are when it asks), until the running ones end: from opening its session, as a server's
     request does, to its first audio."""
     times: list[float] = []
-    delays = np.random.default_rng(seed).uniform(0.0, 0.5, size=frames)  # seconds between joiners
+    rng = np.random.default_rng(seed)
     async with trio.open_nursery() as nursery:
         running = [trio.Event() for _ in range(streams - 1)]
         ended = trio.Event()
@@ -282,13 +282,11 @@ async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg,
             nursery.start_soon(runner, i)
         for event in running:
             await event.wait()
-        for k, delay in enumerate(delays):
-            await trio.sleep(float(delay))
-            if ended.is_set() and times:
-                break
+        while not (ended.is_set() and times):
+            await trio.sleep(rng.uniform(0.0, 0.5))  # seconds between joiners
             heard, start = trio.Event(), time.perf_counter()
             async with trio.open_nursery() as joiner:  # ends with the joiner
-                joiner.start_soon(_stream, runtime, 2, voice, seed + streams + k, heard)
+                joiner.start_soon(_stream, runtime, 2, voice, seed + streams + len(times), heard)
                 await heard.wait()
                 times.append(time.perf_counter() - start)
     return times

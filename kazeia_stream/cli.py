@@ -33,8 +33,8 @@ log = logging.getLogger("kazeia_stream")
 MODEL_ENV = "KAZEIA_MODEL"
 API_KEY_ENV = "KAZEIA_API_KEY"
 # The servers' utterances at once. Each holds a talker KV cache (2048 positions: 235 MB in F16
-# beside quantized weights, 470 MB in F32, on the 0.6B and 1.7B); 4 gave 1.5x one stream's
-# throughput on 2 cores, 8 gave 1.9x for twice the memory (README, "Several streams at once").
+# beside quantized weights, 470 MB in F32, on the 0.6B and 1.7B); 4 gave 1.4-1.8x one stream's
+# throughput on 2 cores, 8 about 2x for twice the memory (README, "Several streams at once").
 DEFAULT_SERVER_STREAMS = 4
 
 

@@ -204,6 +204,9 @@ class _Passes(Generic[Item, T]):
         raise NotImplementedError
 
 
+_Frames = list[tuple[FrameState, _Result["np.ndarray | None"]]]  # streams and their waiters
+
+
 class Generator(_Passes[FrameState, "np.ndarray | None"]):
     """Frames of every stream, in shared passes of the frame loop."""
 
@@ -248,17 +251,21 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
     def next_frame_sync(self, state: FrameState) -> np.ndarray | None:
         return self._ask_sync(state)
 
-    def _take(self) -> list[tuple[FrameState, _Result[np.ndarray | None]]]:
+    def _take(self) -> _Frames:
         """Streams that have begun, whose pass takes the others in at its first call boundary
         (`_between`); streams that have not begun alone, when no other stream is queued."""
-        begun = [(s, r) for s, r in self._queue if s.prefill is not None]
+        begun, self._queue = self._partition()
         if not begun:
+            begun, self._queue = self._queue, []
             self._others = bool(self._expected)
-            return super()._take()
-        self._queue = [(s, r) for s, r in self._queue if s.prefill is None]
         return begun
 
-    def _pass(self, batch: list[tuple[FrameState, _Result[np.ndarray | None]]]) -> None:
+    def _partition(self) -> tuple[_Frames, _Frames]:
+        """The queued streams that have begun, and those that have not."""
+        begun = [(s, r) for s, r in self._queue if s.prefill is not None]
+        return begun, [(s, r) for s, r in self._queue if s.prefill is None]
+
+    def _pass(self, batch: _Frames) -> None:
         self._going = []
         states = [state for state, _ in batch]
         self._serve(batch, self.frames.next_frames(states, self._others, self._between))
@@ -274,16 +281,14 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
         handed its talker slot on: the ones that do not fit wait)."""
         room = self.frames.code_predictor.max_streams - first_seq
         with self._cond:
-            new = [(s, r) for s, r in self._queue if s.prefill is None][:room]
-            if not new:
+            begun, new = self._partition()
+            if not new[:room]:
                 return
-            self._queue = [(s, r) for s, r in self._queue if all(r is not n for _, n in new)]
+            new, self._queue = new[:room], begun + new[room:]
         states = [state for state, _ in new]
         self._serve(new, self.frames.next_frames(states, others=True, first_seq=first_seq))
 
-    def _serve(
-        self, batch: list[tuple[FrameState, _Result[np.ndarray | None]]], codes: list[np.ndarray | None]
-    ) -> None:
+    def _serve(self, batch: _Frames, codes: list[np.ndarray | None]) -> None:
         """Hand each stream its frame; a stream still prefilling goes back to the queue's head."""
         with self._cond:
             for (state, result), c in zip(batch, codes):

@@ -187,8 +187,8 @@ class FrameLoop:
 
     def prepared(self, prompt: Prompt) -> bool:
         """Whether a free talker slot keeps the prompt's fixed rows already."""
-        fixed = prompt.prefill[: prompt.n_fixed]
-        return any(self.talker.holds(seq, fixed) for seq in self.free)
+        seq = self.slot_for(prompt, take=False)
+        return seq is not None and self.talker.holds(seq, prompt.prefill[: prompt.n_fixed])
 
     def prepare(self, prompt: Prompt, seq: int) -> None:
         """Compute a prompt's fixed rows into the free slot `seq` ahead of its utterances,
