@@ -20,6 +20,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from .pages import zeroed_pages_released
 from .threads import SharedCores
 
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
@@ -69,7 +70,8 @@ class EmbeddingLM:
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.type_k = p.type_v = GGML_TYPE_F32 if options.kv_f32 else GGML_TYPE_F16
         p.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(model, p)
+        with zeroed_pages_released():  # the KV cache's, but for the cells a stream fills
+            self.ctx = llama_cpp.llama_init_from_model(model, p)
         if not self.ctx:
             raise RuntimeError("libllama could not create a context")
         self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
