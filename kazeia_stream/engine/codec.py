@@ -380,7 +380,7 @@ class DecoderBlock:
 
     def __init__(self, f: GGUFFile, bid: int) -> None:
         self.act = SnakeBeta(*_snake(f, L.WAV_DAC_UP_SNAKE.format(bid=bid)))
-        w, b = _pair(f, L.WAV_DAC_UP_CONV.format(bid=bid))
+        w, b = _kernel(f, L.WAV_DAC_UP_CONV.format(bid=bid))
         w = w.reshape(-1, len(b), w.shape[-1])
         self.up = CausalTransConv(w, b, stride=w.shape[-1] // 2)
         self.units = [ResidualUnit(f, bid, xid, d) for xid, d in enumerate(DILATIONS)]
@@ -410,12 +410,13 @@ class TransformerLayer:
 
     def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
         t = lambda name: f.read(name.format(bid=bid))
-        wq, wk, wv = t(L.WAV_TFM_ATTN_Q), t(L.WAV_TFM_ATTN_K), t(L.WAV_TFM_ATTN_V)
+        m = lambda name: f.tensor(name.format(bid=bid))  # concatenated: see `_kernel`
+        wq, wk, wv = m(L.WAV_TFM_ATTN_Q), m(L.WAV_TFM_ATTN_K), m(L.WAV_TFM_ATTN_V)
         self.head_dim, self.eps = head_dim, eps
         self.n_heads, self.n_kv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
         self.qkv = Linear(np.concatenate([wq, wk, wv]))
         self.out = Linear(t(L.WAV_TFM_ATTN_OUT))
-        self.gate_up = Linear(np.concatenate([t(L.WAV_TFM_FFN_GATE), t(L.WAV_TFM_FFN_UP)]))
+        self.gate_up = Linear(np.concatenate([m(L.WAV_TFM_FFN_GATE), m(L.WAV_TFM_FFN_UP)]))
         self.down = Linear(t(L.WAV_TFM_FFN_DOWN))
         self.ln1, self.ln2 = t(L.WAV_TFM_ATTN_NORM)[:, None], t(L.WAV_TFM_FFN_NORM)[:, None]
         self.ls1, self.ls2 = t(L.WAV_TFM_ATTN_SCALE)[:, None], t(L.WAV_TFM_FFN_SCALE)[:, None]
@@ -673,7 +674,7 @@ class CodecDecoder:
         self.transformer = Transformer(f)
         self.upsample: list[tuple[CausalTransConv, ConvNeXtBlock]] = []
         for bid in range(_count(f, L.WAV_UP_CONV)):
-            w, b = _pair(f, L.WAV_UP_CONV.format(bid=bid))
+            w, b = _kernel(f, L.WAV_UP_CONV.format(bid=bid))
             w = w.reshape(-1, len(b), w.shape[-1])
             self.upsample.append((CausalTransConv(w, b, stride=w.shape[-1]), ConvNeXtBlock(f, bid)))
         self.entry = CausalConv(*_conv(f, L.WAV_DAC_ENTRY))
@@ -884,10 +885,16 @@ def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     return f.read(prefix + ".weight"), f.read(prefix + ".bias")
 
 
+def _kernel(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """A weight its layer copies into its own layout, mapped (read once, by that copy: fresh
+    memory is slow to fault in, ~2 GB/s here, so a first copy costs startup), and its bias."""
+    return f.tensor(prefix + ".weight"), f.read(prefix + ".bias")
+
+
 def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """A Conv1d kernel [C_out, C_in, k] and its bias; C_out from the bias, since the GGUF shape
     drops a leading 1 (the last conv's C_out)."""
-    w, b = _pair(f, prefix)
+    w, b = _kernel(f, prefix)
     return w.reshape(len(b), -1, w.shape[-1]), b
 
 

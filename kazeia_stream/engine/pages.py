@@ -58,26 +58,30 @@ def _new(after: list[Span], before: list[Span]) -> Iterator[Span]:
             yield start, end
 
 
-def _zero_runs(start: int, end: int) -> Iterator[Span]:
-    """Runs of all-zero pages in [start, end), at least `_MIN_RUN` long."""
+def _runs(mask: np.ndarray) -> Iterator[tuple[int, int]]:
+    """The [i0, i1) runs of True in `mask`."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return zip(edges[::2].tolist(), edges[1::2].tolist())
+
+
+def _zero_runs(libc: ctypes.CDLL, start: int, end: int) -> Iterator[Span]:
+    """Runs of at least `_MIN_RUN` bytes of pages in [start, end) that read as zeros and of
+    which some are resident. Only resident pages are read (`mincore`): reading the others
+    would fault each one in, which cost more than the rest together."""
     page = mmap.PAGESIZE
-    run = None
-    for at in range(start, end, _SCAN):
-        n = min(_SCAN, end - at)
-        words = np.ctypeslib.as_array((ctypes.c_uint64 * (n // 8)).from_address(at))
-        zero = ~words.reshape(-1, page // 8).any(axis=1)
-        # page indices where a run of zero pages starts or ends
-        edges = np.flatnonzero(np.diff(np.concatenate(([False], zero, [False])).astype(np.int8)))
-        for i in range(0, len(edges), 2):
-            r0, r1 = at + int(edges[i]) * page, at + int(edges[i + 1]) * page
-            if run is not None and run[1] == r0:
-                run = (run[0], r1)
-                continue
-            if run is not None and run[1] - run[0] >= _MIN_RUN:
-                yield run
-            run = (r0, r1)
-    if run is not None and run[1] - run[0] >= _MIN_RUN:
-        yield run
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+        return
+    resident = np.ctypeslib.as_array(vec) & 1 != 0
+    zero = ~resident
+    for i0, i1 in _runs(resident):
+        for c0 in range(i0, i1, _SCAN // page):
+            c1 = min(i1, c0 + _SCAN // page)
+            words = (ctypes.c_uint64 * ((c1 - c0) * page // 8)).from_address(start + c0 * page)
+            zero[c0:c1] = ~np.ctypeslib.as_array(words).reshape(c1 - c0, page // 8).any(axis=1)
+    for i0, i1 in _runs(zero):
+        if (i1 - i0) * page >= _MIN_RUN and resident[i0:i1].any():
+            yield start + i0 * page, start + i1 * page
 
 
 @contextmanager
@@ -89,9 +93,8 @@ def zeroed_pages_released() -> Iterator[None]:
     after = _anonymous()
     if before is None or after is None:
         return
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc = ctypes.CDLL(None, use_errno=True)
     for start, end in _new(after, before):
         if end - start >= _MIN_RUN:
-            for r0, r1 in _zero_runs(start, end):
-                madvise(r0, r1 - r0, MADV_DONTNEED)
+            for r0, r1 in _zero_runs(libc, start, end):
+                libc.madvise(ctypes.c_void_p(r0), ctypes.c_size_t(r1 - r0), MADV_DONTNEED)
