@@ -64,17 +64,12 @@ class Runtime:
         # room in one decode for every stream's step or prefill piece
         n_batch = max(LMOptions.n_batch, (PREFILL_PIECE + 1) * max_streams)
         kv_f32 = kv_f32_for(model.talker_file.tensor_type(L.TALKER_FFN_UP.format(bid=0)))
-        # first, while little else is resident: creating its context makes the whole KV cache
-        # resident for a moment (see engine/pages.py), so the process's peak stays that of its work
-        self.talker = Talker(
-            model.llama_model.ptr,
-            cfg.talker,
-            LMOptions(self.threads.talker, n_batch=n_batch, kv_f32=kv_f32, n_seq=max_streams),
-            self.cores,
-        )
         with ThreadPoolExecutor(1) as loader:
             # reading the decoder's weights and its first decode (no GIL held) overlap with
-            # building the code predictor and the warm-up
+            # building the code predictor (while libllama loads the talker, begun with the
+            # model), the talker's context and their warm-up. Creating the context makes its
+            # whole KV cache resident for a moment (engine/pages.py): that moment, with the
+            # decoder's weights, is the process's peak at several streams.
             codec = loader.submit(_warm_decoder, model.mmproj_file, self.threads.decoder)
             self.code_predictor = CodePredictor(
                 model.mmproj_file,
@@ -82,6 +77,12 @@ class Runtime:
                 self.threads.code_predictor,
                 cores=self.cores,
                 max_streams=max_streams,
+            )
+            self.talker = Talker(
+                model.llama_model.ptr,
+                cfg.talker,
+                LMOptions(self.threads.talker, n_batch=n_batch, kv_f32=kv_f32, n_seq=max_streams),
+                self.cores,
             )
             self._warm_up()
             self.codec = codec.result()

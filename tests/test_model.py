@@ -189,6 +189,19 @@ def test_wrong_gguf_in_either_place(tiny_gguf, tmp_path):
         kazeia_stream.load_model(tmp_path)
 
 
+def test_a_talker_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    data = bytearray(talker.read_bytes())
+    key = b"qwen3tts.block_count"
+    at = data.index(key) + len(key) + 4  # the key, its u32 type, then its u32 value
+    data[at : at + 4] = (int.from_bytes(data[at : at + 4], "little") + 1).to_bytes(4, "little")
+    talker.write_bytes(bytes(data))  # one layer more than the file holds: only libllama sees it
+    model = kazeia_stream.load_model(tmp_path)  # libllama loads in the background
+    for use in (model.ready, lambda: kazeia_stream.Runtime(model), lambda: model.prompt("Hi."), model.ready):
+        with pytest.raises(ModelFileError, match="libllama could not load it"):
+            use()
+
+
 def test_ambiguous_folder(tiny_gguf, tmp_path):
     talker, _ = _copy_pair(tiny_gguf, tmp_path)
     shutil.copy(talker, tmp_path / "other.gguf")
@@ -213,6 +226,7 @@ def _resident(path: Path) -> list[tuple[int, int]]:
 def test_libllama_s_mapping_leaves_the_text_embedding_out_of_memory(tiny_gguf):
     talker, _ = tiny_gguf("custom_voice", "q8_0")
     model = kazeia_stream.load_model(talker)
+    model.ready()  # libllama has mapped the file
     embd = model.talker_file.span(L.TALKER_TOKEN_EMBD)[1]
     whole = [(size, rss) for size, rss in _resident(talker) if size > embd]  # libllama's
     assert whole and all(rss <= size - embd + 2 * 4096 for size, rss in whole)

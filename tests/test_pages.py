@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from kazeia_stream.engine.llm import LMOptions
@@ -18,12 +20,13 @@ def rss_anon() -> int:
 
 
 def test_zero_pages_mapped_in_the_call_are_released_and_the_rest_keep_their_values():
-    n = 64 * MB  # above glibc's largest mmap threshold: each array is a mapping of its own
+    n = 64 * MB
     before = rss_anon()
-    with zeroed_pages_released():
-        zeros = np.empty(n, np.uint8)
+    with zeroed_pages_released():  # two fresh private mappings, as a large malloc makes
+        maps = [mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+        zeros, sevens = (np.frombuffer(m, np.uint8) for m in maps)
         zeros.fill(0)  # resident, as libllama's memset leaves a KV cache
-        sevens = np.full(n, 7, np.uint8)
+        sevens.fill(7)
     grown = rss_anon() - before
     assert 0.9 * n < grown < 1.25 * n  # the sevens stayed, the zeros went
     assert not zeros.any() and (sevens == 7).all()

@@ -114,8 +114,8 @@ class _Plan:
             return np.ascontiguousarray(self.file.raw(L.CP_HEAD)[0])
         src = self.sources[dst]
         stored, wanted = self.file.tensor_type(src), self.types[dst]
-        if wanted == stored:
-            return self.file.load(src)
+        if wanted == stored:  # mapped: libllama copies it into its buffer, the one copy made
+            return self.file.raw(src)
         if wanted == QType.F16:
             return self.file.read(src).astype(np.float16)
         return quantize(self.file.read(src), wanted)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,16 @@ class GGUFFile:
         dtype = np.dtype(_ARRAY_DTYPES[item])
         buf = ctypes.string_at(ggml.gguf_get_arr_data(self._ctx, kid), n * dtype.itemsize)
         return np.frombuffer(buf, dtype=dtype).copy()
+
+    def strings(self, key: str, ids: Iterable[int]) -> list[str]:
+        """Items `ids` of a string array (a few of a vocabulary's 150k: all take ~0.1 s)."""
+        kid = ggml.gguf_find_key(self._ctx, key.encode())
+        if kid < 0 or ggml.gguf_get_kv_type(self._ctx, kid) != _ARRAY:
+            raise ModelFileError(f"{self.path}: metadata key {key!r} is missing")
+        n, wanted = ggml.gguf_get_arr_n(self._ctx, kid), list(ids)
+        if ggml.gguf_get_arr_type(self._ctx, kid) != _STRING or not all(0 <= i < n for i in wanted):
+            raise ModelFileError(f"{self.path}: metadata key {key!r} does not hold those strings")
+        return [ggml.gguf_get_arr_str(self._ctx, kid, i).decode("utf-8") for i in wanted]
 
     def require(self, key: str) -> Any:
         """Like `get`, but a missing key is an error naming the file."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
-from .llama import LlamaModel, release_pages
+from .llama import LlamaModel, init_backend, release_pages
 from .prompt import (
     ASSISTANT,
     ASSISTANT_TAIL,
@@ -30,7 +31,7 @@ from .prompt import (
     build_prompt,
 )
 from .text_stream import IncrementalTokenizer
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, special_tokens
 from .voice import Voice, VoiceLibrary
 
 VoiceArg = str | Voice | None
@@ -92,21 +93,41 @@ class Model:
         _check_architecture(self.talker_file, self.mmproj_file)
         _check_pair(self.talker_file, self.mmproj_file)
         _check_checkpoint(self.talker_file, self.mmproj_file)
-        self.llama_model = LlamaModel(talker_path)
-        # libllama never reads the text embedding (we feed it embeddings, and read the rows a
-        # text needs from our own mapping): 27% of a 0.6B Q8_0 talker file off the RSS
-        release_pages(talker_path, *self.talker_file.span(L.TALKER_TOKEN_EMBD))
-        self.tokenizer = Tokenizer(self.llama_model.vocab)
+        # libllama loads the talker (its vocabulary alone takes ~0.25 s) while what follows
+        # runs, a Runtime's other engines included; a failure raises where it is first used
+        init_backend()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
+        self._llama = pool.submit(_load_talker, talker_path, self.talker_file.span(L.TALKER_TOKEN_EMBD))
+        pool.shutdown(wait=False)  # the thread ends with the load
         codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
-        text_vocab = self.tokenizer.n_tokens - codec_vocab
-        names = [self.tokenizer.token_text(text_vocab + i) for i in range(codec_vocab)]
-        self.config: ModelConfig = read_config(
-            self.talker_file, self.mmproj_file, names, self.tokenizer.special_id
-        )
+        n_tokens = len(self.talker_file.require(L.KEY_TOKEN_TYPES))
+        names = self.talker_file.strings(L.KEY_TOKENS, range(n_tokens - codec_vocab, n_tokens))
+        special = special_tokens(self.talker_file)
+
+        def text_token_id(text: str) -> int:
+            if text not in special:
+                raise ModelFileError(f"{talker_path}: special token {text} is not in the vocabulary")
+            return special[text]
+
+        self.config: ModelConfig = read_config(self.talker_file, self.mmproj_file, names, text_token_id)
         self._rows = _TalkerRows(self.talker_file, self.mmproj_file, self.config.talker.text_vocab_size)
         self._voices: weakref.WeakKeyDictionary[Voice, tuple[np.ndarray, InContext | None]] = (
             weakref.WeakKeyDictionary()
         )
+
+    def ready(self) -> None:
+        """Wait for libllama's load of the talker, begun when the model was made: raises its
+        `ModelFileError` if libllama refused the file."""
+        self._llama.result()
+
+    @cached_property
+    def llama_model(self) -> LlamaModel:
+        """The talker in libllama (see `ready`)."""
+        return self._llama.result()
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.llama_model.vocab)
 
     @cached_property
     def pad_embedding(self) -> np.ndarray:
@@ -385,6 +406,16 @@ def _check_pair(talker: GGUFFile, mmproj: GGUFFile) -> None:
         )
 
 
+def _load_talker(path: Path, embd: tuple[int, int]) -> LlamaModel:
+    model = LlamaModel(path)
+    # libllama never reads the text embedding (we feed it embeddings, and read the rows a text
+    # needs from our own mapping): 27% of a 0.6B Q8_0 talker file off the RSS
+    release_pages(path, *embd)
+    return model
+
+
 def load_model(path: str | os.PathLike[str]) -> Model:
-    """Load a model from a folder holding the GGUF pair, or from the talker file."""
+    """Load a model from a folder holding the GGUF pair, or from the talker file. The files
+    are checked here; libllama's load of the talker goes on in the background, so that a
+    `Runtime` made next overlaps its own loading with it (`Model.ready` waits for it)."""
     return Model(*find_pair(path))

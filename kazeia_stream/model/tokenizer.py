@@ -10,8 +10,10 @@ from __future__ import annotations
 import unicodedata
 
 import llama_cpp
+import numpy as np
 
-from ..errors import ModelFileError
+from . import gguf_layout as L
+from .gguf_file import GGUFFile
 
 
 class Tokenizer:
@@ -38,9 +40,14 @@ class Tokenizer:
     def token_text(self, token: int) -> str:
         return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
 
-    def special_id(self, text: str) -> int:
-        """The id of a special token given by its text, e.g. "<|im_start|>"."""
-        ids = self.encode(text)
-        if len(ids) != 1:
-            raise ModelFileError(f"special token {text} is not in the vocabulary")
-        return ids[0]
+
+# gguf token types that libllama's tokenizer takes whole where their text appears (UNKNOWN,
+# CONTROL, USER_DEFINED: llama-vocab.cpp's cache_special_tokens)
+_SPECIAL_TYPES = (2, 3, 4)
+
+
+def special_tokens(f: GGUFFile) -> dict[str, int]:
+    """The ids of the special tokens of a talker file's vocabulary by their texts (e.g.
+    "<|im_start|>"), as libllama's tokenizer finds them, read without loading it."""
+    ids = np.flatnonzero(np.isin(f.require(L.KEY_TOKEN_TYPES), _SPECIAL_TYPES)).tolist()
+    return dict(zip(f.strings(L.KEY_TOKENS, ids), ids))
