@@ -21,7 +21,6 @@ class Tokenizer:
 
     def __init__(self, vocab: llama_cpp.llama_vocab_p) -> None:
         self._vocab = vocab
-        self.n_tokens = llama_cpp.llama_vocab_n_tokens(vocab)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Ids of `text`, no BOS added; with `special`, the texts of special tokens such as
