@@ -312,8 +312,11 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     assert figures["solo_ttfa_s"] > 0
     # joins at spread moments while the others ran, at least one per round
     assert figures["joins"] >= 2 and 0 < figures["join_ttfa_s"] <= figures["join_ttfa_s_p95"]
-    # all three streams' audio (6 frames of 80 ms each) over the wall time (medians of two runs)
-    assert figures["aggregate_audio_s_per_s"] == pytest.approx(3 * 6 * 0.08 / figures["wall_s"], rel=0.2)
+    # all three streams' audio (6 frames of 80 ms each) over the wall time; both are medians of
+    # two rounds, and the mean of audio / wall is at least audio / the mean wall (the two agree
+    # within 2x unless one round took 5.8x the other's time)
+    rate = 3 * 6 * 0.08 / figures["wall_s"]
+    assert 0.99 * rate <= figures["aggregate_audio_s_per_s"] <= 2 * rate
 
 
 def test_at_f32_a_lone_step_rounds_differently_from_a_step_beside_others(tiny_gguf):
