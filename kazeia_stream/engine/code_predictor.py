@@ -299,7 +299,7 @@ class CodePredictor:
         kv_f32 = exact or kv_f32_for(f.tensor_type(L.CP_FFN_UP.format(bid=0)))
         self._lm = EmbeddingLM(
             model,
-            cfg.hidden_size,
+            cfg,
             cfg.vocab_size,
             1,
             LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS * max_streams, kv_f32=kv_f32, n_seq=max_streams),

@@ -20,6 +20,7 @@ import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from ..model.config import LMConfig
 from .pages import zeroed_pages_released
 from .threads import SharedCores
 
@@ -52,7 +53,7 @@ class EmbeddingLM:
     def __init__(
         self,
         model: llama_cpp.llama_model_p,
-        n_embd: int,
+        cfg: LMConfig,
         n_logits: int,
         n_pos_per_token: int,
         options: LMOptions,
@@ -70,11 +71,14 @@ class EmbeddingLM:
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.type_k = p.type_v = GGML_TYPE_F32 if options.kv_f32 else GGML_TYPE_F16
         p.no_perf = True
-        with zeroed_pages_released():  # the KV cache's, but for the cells a stream fills
+        kv_bytes = (
+            2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * p.n_ctx * (4 if options.kv_f32 else 2)
+        )
+        with zeroed_pages_released(kv_bytes):  # the KV cache's, but for the cells a stream fills
             self.ctx = llama_cpp.llama_init_from_model(model, p)
         if not self.ctx:
             raise RuntimeError("libllama could not create a context")
-        self.n_embd, self.n_logits, self.n_pos = n_embd, n_logits, n_pos_per_token
+        self.n_embd, self.n_logits, self.n_pos = cfg.hidden_size, n_logits, n_pos_per_token
         self.kv_f32 = options.kv_f32
         self.threads = self._threads_set = options.threads
         self.cores = cores or SharedCores(options.threads)

@@ -6,9 +6,14 @@ positions per channel, so any written cell touches every page of it: half the ca
 stream that has run.)
 
 A private anonymous page that holds only zeros reads the same after `madvise(MADV_DONTNEED)`
-(the kernel maps a zero page until it is written), so releasing it changes no value: only
-runs of such pages in mappings that appeared during the call are released, and only long ones
-(a buffer, not a page of some allocator's bookkeeping). Elsewhere than Linux this does nothing.
+(the kernel maps a zero page until it is written), so releasing it changes no value. What is
+released is only a run of resident zero pages in mappings that appeared during the call, as
+long as the buffer (within a page). Another thread's fresh memory, zero for a moment before it
+writes it (a huge page being filled), would have to be exactly that long to be taken for the
+buffer and lose a write: checking the length is what makes this safe beside other threads (an
+earlier version released every long zero run, and lost a codec weight being read in the
+loader thread). A buffer that shares its run with other zero pages is left as it is.
+Elsewhere than Linux this does nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from contextlib import contextmanager
 import numpy as np
 
 MADV_DONTNEED = 4
-_MIN_RUN = 1 << 21  # bytes: 2 MiB, a huge page
 _SCAN = 1 << 24  # bytes read at a time
 
 Span = tuple[int, int]  # [start, end) addresses
@@ -64,30 +68,28 @@ def _runs(mask: np.ndarray) -> Iterator[tuple[int, int]]:
     return zip(edges[::2].tolist(), edges[1::2].tolist())
 
 
-def _zero_runs(libc: ctypes.CDLL, start: int, end: int) -> Iterator[Span]:
-    """Runs of at least `_MIN_RUN` bytes of pages in [start, end) that read as zeros and of
-    which some are resident. Only resident pages are read (`mincore`): reading the others
-    would fault each one in, which cost more than the rest together."""
+def _zero_runs(libc: ctypes.CDLL, start: int, end: int, size: int) -> Iterator[Span]:
+    """Runs of resident all-zero pages in [start, end) as long as `size` bytes, within a page.
+    Only resident pages are read (`mincore`): reading the others would fault each one in."""
     page = mmap.PAGESIZE
     vec = (ctypes.c_ubyte * ((end - start) // page))()
     if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
         return
-    resident = np.ctypeslib.as_array(vec) & 1 != 0
-    zero = ~resident
-    for i0, i1 in _runs(resident):
+    zero = np.ctypeslib.as_array(vec) & 1 != 0  # resident, then: and all zero
+    for i0, i1 in _runs(zero):
         for c0 in range(i0, i1, _SCAN // page):
             c1 = min(i1, c0 + _SCAN // page)
             words = (ctypes.c_uint64 * ((c1 - c0) * page // 8)).from_address(start + c0 * page)
             zero[c0:c1] = ~np.ctypeslib.as_array(words).reshape(c1 - c0, page // 8).any(axis=1)
     for i0, i1 in _runs(zero):
-        if (i1 - i0) * page >= _MIN_RUN and resident[i0:i1].any():
+        if abs((i1 - i0) * page - size) <= page:
             yield start + i0 * page, start + i1 * page
 
 
 @contextmanager
-def zeroed_pages_released() -> Iterator[None]:
-    """Around a call that maps memory and fills much of it with zeros (libllama's context
-    creation), give those zero pages back to the kernel."""
+def zeroed_pages_released(size: int) -> Iterator[None]:
+    """Around a call that allocates a buffer of `size` bytes and fills it with zeros (libllama's
+    context creation, its KV cache), give the buffer's pages back to the kernel."""
     before = _anonymous()
     yield
     after = _anonymous()
@@ -95,6 +97,6 @@ def zeroed_pages_released() -> Iterator[None]:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     for start, end in _new(after, before):
-        if end - start >= _MIN_RUN:
-            for r0, r1 in _zero_runs(libc, start, end):
+        if end - start >= size - mmap.PAGESIZE:
+            for r0, r1 in _zero_runs(libc, start, end, size):
                 libc.madvise(ctypes.c_void_p(r0), ctypes.c_size_t(r1 - r0), MADV_DONTNEED)

@@ -36,9 +36,7 @@ class Talker:
         options: LMOptions,
         cores: SharedCores | None = None,
     ) -> None:
-        self.lm = EmbeddingLM(
-            model, cfg.hidden_size, cfg.codec_vocab_size, POSITIONS_PER_TOKEN, options, cores
-        )
+        self.lm = EmbeddingLM(model, cfg, cfg.codec_vocab_size, POSITIONS_PER_TOKEN, options, cores)
         self.n_ctx, self.n_seq = options.n_ctx, options.n_seq
         self._fixed: list[np.ndarray | None] = [None] * self.n_seq  # each slot's kept rows
 
