@@ -23,11 +23,12 @@ def test_a_zeroed_buffer_of_the_size_given_is_released_and_other_memory_kept():
     n = 64 * MB
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     before = rss_anon()
-    with zeroed_pages_released(n):  # fresh private mappings, as a large malloc makes
+    with zeroed_pages_released(n):  # one fresh private mapping, as a large malloc makes
         # the buffer; someone's values between it and another thread's fresh memory, zero for
-        # the moment (its writes are still to come), which must not be taken for the buffer
-        maps = [mmap.mmap(-1, size, flags=private) for size in (n, n, n // 2)]
-        buffer, sevens, fresh = (np.frombuffer(m, np.uint8) for m in maps)
+        # the moment (its writes are still to come), which must not be taken for the buffer;
+        # and pages never touched
+        memory = np.frombuffer(mmap.mmap(-1, 3 * n, flags=private), np.uint8)
+        buffer, sevens, fresh = memory[:n], memory[n : 2 * n], memory[2 * n : 5 * n // 2]
         buffer.fill(0)  # resident, as libllama's memset leaves a KV cache
         sevens.fill(7)
         fresh.fill(0)
