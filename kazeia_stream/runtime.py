@@ -19,7 +19,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import llama_cpp
@@ -65,12 +65,14 @@ class Runtime:
         n_batch = max(LMOptions.n_batch, (PREFILL_PIECE + 1) * max_streams)
         kv_f32 = kv_f32_for(model.talker_file.tensor_type(L.TALKER_FFN_UP.format(bid=0)))
         with ThreadPoolExecutor(1) as loader:
-            # reading the decoder's weights and its first decode (no GIL held) overlap with
+            # Reading the decoder's weights and its first decode (no GIL held) overlap with
             # building the code predictor (while libllama loads the talker, begun with the
             # model), the talker's context and their warm-up. Creating the context makes its
-            # whole KV cache resident for a moment (engine/pages.py): that moment, with the
-            # decoder's weights, is the process's peak at several streams.
-            codec = loader.submit(_warm_decoder, model.mmproj_file, self.threads.decoder)
+            # whole KV cache resident for a moment (engine/pages.py): at several streams that
+            # moment would be the process's peak with the decoder's weights beside it, so
+            # then they load after it (measured: startup ~0.2 s longer).
+            load_decoder = partial(loader.submit, _warm_decoder, model.mmproj_file, self.threads.decoder)
+            codec = load_decoder() if max_streams == 1 else None
             self.code_predictor = CodePredictor(
                 model.mmproj_file,
                 cfg.code_predictor,
@@ -84,6 +86,7 @@ class Runtime:
                 LMOptions(self.threads.talker, n_batch=n_batch, kv_f32=kv_f32, n_seq=max_streams),
                 self.cores,
             )
+            codec = codec or load_decoder()
             self._warm_up()
             self.codec = codec.result()
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
