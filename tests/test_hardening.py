@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from test_model import one_layer_more
 
 pytestmark = pytest.mark.subprocess
 
@@ -242,12 +243,7 @@ def test_convert_onto_a_file_fails_in_one_line(tiny_checkpoint, tmp_path):
 def test_why_libllama_refused_a_talker_shows_at_v(tiny_gguf, tmp_path):
     talker, mmproj = tiny_gguf("custom_voice")
     folder = pair(tmp_path, talker, mmproj)
-    broken = Path(folder) / talker.name
-    data = bytearray(broken.read_bytes())
-    key = b"qwen3tts.block_count"
-    at = data.index(key) + len(key) + 4  # the key, its u32 type, then its u32 value
-    data[at : at + 4] = (int.from_bytes(data[at : at + 4], "little") + 1).to_bytes(4, "little")
-    broken.write_bytes(bytes(data))  # one layer more than the file holds
+    one_layer_more(Path(folder) / talker.name)
     rc, err, _ = run("voices", "--model", folder)
     assert rc == 1 and one_line(err, "libllama could not load it"), err
     rc, err, _ = run("voices", "--model", folder, "-v")

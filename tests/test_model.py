@@ -189,13 +189,18 @@ def test_wrong_gguf_in_either_place(tiny_gguf, tmp_path):
         kazeia_stream.load_model(tmp_path)
 
 
-def test_a_talker_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
-    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+def one_layer_more(talker: Path) -> None:
+    """Make a talker file claim one layer more than it holds: only libllama sees it."""
     data = bytearray(talker.read_bytes())
     key = b"qwen3tts.block_count"
     at = data.index(key) + len(key) + 4  # the key, its u32 type, then its u32 value
     data[at : at + 4] = (int.from_bytes(data[at : at + 4], "little") + 1).to_bytes(4, "little")
-    talker.write_bytes(bytes(data))  # one layer more than the file holds: only libllama sees it
+    talker.write_bytes(bytes(data))
+
+
+def test_a_talker_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    one_layer_more(talker)
     model = kazeia_stream.load_model(tmp_path)  # libllama loads in the background
     for use in (model.ready, lambda: kazeia_stream.Runtime(model), lambda: model.prompt("Hi."), model.ready):
         with pytest.raises(ModelFileError, match="libllama could not load it"):

@@ -69,11 +69,10 @@ class EmbeddingLM:
         p.embeddings = True
         p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        p.type_k = p.type_v = GGML_TYPE_F32 if options.kv_f32 else GGML_TYPE_F16
+        kv_type, kv_item = (GGML_TYPE_F32, 4) if options.kv_f32 else (GGML_TYPE_F16, 2)
+        p.type_k = p.type_v = kv_type
         p.no_perf = True
-        kv_bytes = (
-            2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * p.n_ctx * (4 if options.kv_f32 else 2)
-        )
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * p.n_ctx * kv_item
         with zeroed_pages_released(kv_bytes):  # the KV cache's, but for the cells a stream fills
             self.ctx = llama_cpp.llama_init_from_model(model, p)
         if not self.ctx:

@@ -10,9 +10,10 @@ A private anonymous page that holds only zeros reads the same after `madvise(MAD
 released is only a run of resident zero pages in mappings that appeared during the call, as
 long as the buffer (within a page). Another thread's fresh memory, zero for a moment before it
 writes it (a huge page being filled), would have to be exactly that long to be taken for the
-buffer and lose a write: checking the length is what makes this safe beside other threads (an
-earlier version released every long zero run, and lost a codec weight being read in the
-loader thread). A buffer that shares its run with other zero pages is left as it is.
+buffer and lose a write: checking the length is what makes this safe beside other threads (a
+rule that released every long zero run gave other audio when the decoder's weights were read
+in another thread meanwhile). A buffer that shares its run with other zero pages is left as it
+is.
 Elsewhere than Linux this does nothing.
 """
 

@@ -121,7 +121,7 @@ class GGUFFile:
         n = ggml.gguf_get_arr_n(self._ctx, kid)
         item = ggml.gguf_get_arr_type(self._ctx, kid)
         if item == _STRING:
-            return [ggml.gguf_get_arr_str(self._ctx, kid, i).decode("utf-8") for i in range(n)]
+            return self.strings(key, range(n))
         dtype = np.dtype(_ARRAY_DTYPES[item])
         buf = ctypes.string_at(ggml.gguf_get_arr_data(self._ctx, kid), n * dtype.itemsize)
         return np.frombuffer(buf, dtype=dtype).copy()
