@@ -1,7 +1,7 @@
 """The runtime: one set of engines for a model, and every way of speaking with them.
 
 A `Runtime` owns the talker, the code predictor and the codec decoder of one model (one copy of
-the weights), their thread settings and warm-up, and the schedule (`scheduler`) on which up to
+the weights), their thread settings, and the schedule (`scheduler`) on which up to
 `max_streams` utterances share them, whichever session, thread or request asks: every stream's
 next frame is generated, and decoded, in shared passes. Offline synthesis (`synthesize`,
 `audio`) and live sessions (`open`) are its methods; the model below it only reads files.
@@ -31,7 +31,7 @@ from .engine.code_predictor import CodePredictor
 from .engine.codec import CodecDecoder, DecoderState
 from .engine.frames import PREFILL_PIECE, FrameLoop, GenerationOptions, max_text_tokens
 from .engine.llm import LMOptions, kv_f32_for
-from .engine.talker import Talker, TalkerState
+from .engine.talker import Talker
 from .engine.threads import SharedCores, Threads
 from .errors import EmptyTextError, UsageError
 from .model import Model
@@ -49,8 +49,8 @@ MIN_SEGMENT_BYTES = 16
 
 
 class Runtime:
-    """The engines of one model, created once (weights loaded, warmed up) and shared by every
-    session and call on it."""
+    """The engines of one model, created once (weights loaded) and shared by every session and
+    call on it."""
 
     def __init__(self, model: Model, threads: Threads | None = None, max_streams: int = 1) -> None:
         most = llama_cpp.llama_max_parallel_sequences()
@@ -67,10 +67,12 @@ class Runtime:
         with ThreadPoolExecutor(1) as loader:
             # Reading the decoder's weights and its first decode (no GIL held) overlap with
             # building the code predictor (while libllama loads the talker, begun with the
-            # model), the talker's context and their warm-up. Creating the context makes its
-            # whole KV cache resident for a moment (engine/pages.py): at several streams that
-            # moment would be the process's peak with the decoder's weights beside it, so
-            # then they load after it (measured: startup ~0.2 s longer).
+            # model) and the talker's context. The talker and the code predictor get no
+            # throw-away step: it delayed the first audio from process start by 0.3-0.5 s and
+            # left the first utterance's time to first audio as it was (measured). Creating
+            # the context makes its whole KV cache resident for a moment (engine/pages.py): at
+            # several streams that moment would be the process's peak with the decoder's
+            # weights beside it, so then they load after it (measured: startup ~0.2 s longer).
             load_decoder = partial(loader.submit, _warm_decoder, model.mmproj_file, self.threads.decoder)
             codec = load_decoder() if max_streams == 1 else None
             self.code_predictor = CodePredictor(
@@ -87,7 +89,6 @@ class Runtime:
                 self.cores,
             )
             codec = codec or load_decoder()
-            self._warm_up()
             self.codec = codec.result()
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
@@ -106,14 +107,6 @@ class Runtime:
         """Build the runtime in a worker thread: loading and warming the engines takes seconds,
         which must not block an event loop."""
         return await trio.to_thread.run_sync(lambda: cls(model, threads, max_streams))
-
-    def _warm_up(self) -> None:
-        """One throw-away step through the talker and the code predictor (the decoder's is
-        `_warm_decoder`), so that the first utterance does not pay for faulting the
-        memory-mapped weights in and for first-call setup (measured on the 0.6B: about 0.3 s
-        of its time to first audio)."""
-        hidden, _ = self.talker.prefill(TalkerState(), self.model.pad_embedding[None])
-        self.code_predictor.predict(hidden, 0, lambda logits: 0)
 
     # -- streams on the engines --------------------------------------------------------------
 
@@ -294,7 +287,8 @@ class Runtime:
 
 
 def _warm_decoder(mmproj: GGUFFile, threads: int) -> CodecDecoder:
-    """The codec decoder, after one throw-away frame (see `Runtime._warm_up`)."""
+    """The codec decoder, after one throw-away frame: the first frame of an utterance is
+    decoded alone on every core, and this keeps its first-call setup out of that frame."""
     codec = CodecDecoder(mmproj, threads)
     codec.decode(np.zeros((1, codec.num_groups), dtype=np.int64))
     return codec
