@@ -19,14 +19,17 @@ reading the weights, so a pass over several streams costs little more than one.
   between passes, in the engines' thread.
 
 Callers wait in a thread (`*_sync`) or in a trio task; a cancelled task withdraws its request
-(a pass that already took it finishes, and its result is dropped). The threads exit when idle.
+(a pass that already took it finishes, and its result is dropped). The threads exit when idle,
+and at interpreter exit once their pass in flight has ended (`_stop_all`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,7 +111,9 @@ class _Passes(Generic[Item, T]):
         self._running: list[Item] = []
         self._expected: Sequence[object] = []  # streams of the last pass that go on
         self._thread: threading.Thread | None = None
+        self._stopping = False
         self.stats = PassStats()
+        _live.add(self)
 
     # -- callers --------------------------------------------------------------------------------
 
@@ -144,7 +149,7 @@ class _Passes(Generic[Item, T]):
         return result.wait()
 
     def _wake(self) -> None:
-        if self._thread is None:
+        if self._thread is None and not self._stopping:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
         self._cond.notify_all()
@@ -155,11 +160,14 @@ class _Passes(Generic[Item, T]):
         while True:
             with self._cond:
                 idle_since = time.monotonic()
-                while not (self._queue or self._calls):
+                while not (self._queue or self._calls or self._stopping):
                     if time.monotonic() - idle_since > IDLE_EXIT_S:
                         self._thread = None
                         return
                     self._cond.wait(IDLE_EXIT_S)
+                if self._stopping:
+                    self._thread = None
+                    return
                 if self._calls:
                     fn, call_result = self._calls.popleft()
                     batch = None
@@ -183,6 +191,15 @@ class _Passes(Generic[Item, T]):
                 with self._cond:
                     self._running = []
 
+    def stop(self) -> None:
+        """Run no more passes or calls, and wait for the one in flight to end."""
+        with self._cond:
+            self._stopping = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
     def _gather(self) -> None:
         """Wait (briefly) for the streams of the last pass that go on to ask again."""
         deadline = time.monotonic() + GATHER_S
@@ -202,6 +219,19 @@ class _Passes(Generic[Item, T]):
 
     def _pass(self, batch: list[tuple[Item, _Result[T]]]) -> None:
         raise NotImplementedError
+
+
+_live: weakref.WeakSet[_Passes[Any, Any]] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, before daemon threads are frozen and the C libraries torn down:
+    an engine thread still in a pass is inside libllama or BLAS, and the process would crash
+    (SIGSEGV in libggml-cpu, seen when a `--pipe` reader closed stdout mid-utterance) if their
+    state went away under it. So each ends its pass first."""
+    for passes in list(_live):
+        passes.stop()
 
 
 _Frames = list[tuple[FrameState, _Result["np.ndarray | None"]]]  # streams and their waiters

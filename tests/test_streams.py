@@ -9,6 +9,8 @@ Its F32 and F16 kernels differ between one row and several (see the last test).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -336,3 +338,27 @@ def test_at_f32_a_lone_step_rounds_differently_from_a_step_beside_others(tiny_gg
     alone = lm.forward_many([(0, step[0], 9)])[1]
     difference = np.abs(together[0] - alone[0]).max()
     assert difference < 1e-5 * np.abs(alone).max()
+
+
+def test_the_interpreter_exits_only_after_the_pass_in_flight(tiny_gguf):
+    """At exit, libllama and BLAS are torn down after Python: a pass still running then would
+    crash the process (it did, 1 run in 20, when a `--pipe` reader closed stdout)."""
+    script = f"""
+import sys, threading, time
+import kazeia_stream
+runtime = kazeia_stream.Runtime(kazeia_stream.load_model({str(tiny_gguf("custom_voice")[0])!r}))
+started, next_frames = threading.Event(), runtime.frames.next_frames
+def slow(*args, **kwargs):
+    started.set()
+    time.sleep(0.5)
+    frames = next_frames(*args, **kwargs)
+    print("pass ended", flush=True)
+    return frames
+runtime.frames.next_frames = slow
+threading.Thread(target=runtime.synthesize, args=("Hello there.",), daemon=True).start()
+started.wait(60)
+print("exit", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["exit", "pass", "ended"]
