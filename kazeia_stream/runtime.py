@@ -68,8 +68,9 @@ class Runtime:
             # Reading the decoder's weights and its first decode (no GIL held) overlap with
             # building the code predictor (while libllama loads the talker, begun with the
             # model) and the talker's context. The talker and the code predictor get no
-            # throw-away step: it delayed the first audio from process start by 0.3-0.5 s and
-            # left the first utterance's time to first audio as it was (measured). Creating
+            # throw-away step: it delayed the first audio from process start by 0.1-0.5 s (a
+            # quiet to a busy host) and left the first utterance's time to first audio as it
+            # was (measured). Creating
             # the context makes its whole KV cache resident for a moment (engine/pages.py): at
             # several streams that moment would be the process's peak with the decoder's
             # weights beside it, so then they load after it (measured: startup ~0.2 s longer).
