@@ -97,23 +97,39 @@ class Admission:
 
 
 class _Released(StreamingResponse):
-    """A streamed response that frees its admission and closes its body (the session in it)
-    however it ends: finished, failed, or the client gone before or during it."""
+    """A streamed response whose body a task of its own writes into a channel (`produce`), and
+    that frees its admission however it ends: finished, failed, or the client gone before or
+    during it. The body holds a session, a nursery, which must be left in the task that
+    entered it: Starlette iterates a body in a task of its own and, when the client left,
+    cancelled that task with an async generator body suspended inside the session's nursery,
+    which corrupted trio's cancel-scope stack (seen in a test server's log)."""
 
-    def __init__(self, body: AsyncIterator[bytes], admission: Admission, **kw: Any) -> None:
-        super().__init__(body, **kw)
-        self._body, self._release = body, admission.take()
+    def __init__(
+        self,
+        produce: Callable[[trio.MemorySendChannel[bytes]], Awaitable[None]],
+        admission: Admission,
+        **kw: Any,
+    ) -> None:
+        self._chunks, chunks = trio.open_memory_channel[bytes](0)
+        super().__init__(chunks, **kw)
+        self._produce, self._release = produce, admission.take()
         self._admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._admission.streams += 1
         try:
-            await super().__call__(scope, receive, send)
+            with single_errors():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write)
+                    await super().__call__(scope, receive, send)
+                    nursery.cancel_scope.cancel()  # the client is gone, or it was all sent
         finally:
             self._admission.streams -= 1
-            with trio.CancelScope(shield=True):
-                await self._body.aclose()  # type: ignore[attr-defined]
             self._release()
+
+    async def _write(self) -> None:
+        async with self._chunks:
+            await self._produce(self._chunks)
 
 
 @dataclass(frozen=True)
@@ -169,13 +185,13 @@ class SpeechServer:
         speech = self._parse(await _json_body(request))
         started = time.perf_counter()
 
-        async def body() -> AsyncIterator[bytes]:
+        async def produce(chunks: trio.MemorySendChannel[bytes]) -> None:
             async with self.runtime.open(**speech.session) as tts:
                 async for piece in self._encoded(tts.speak(speech.text), speech, started):
-                    yield piece
+                    await chunks.send(piece)
 
         media = "text/event-stream" if speech.sse else FORMATS[speech.response_format]
-        return _Released(body(), self.admission, media_type=media, headers={"Cache-Control": "no-store"})
+        return _Released(produce, self.admission, media_type=media, headers={"Cache-Control": "no-store"})
 
     async def _encoded(self, utterance: Any, speech: Speech, started: float) -> AsyncIterator[bytes]:
         """The utterance's audio in the response format; with SSE, as OpenAI's events."""
