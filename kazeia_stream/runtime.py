@@ -70,10 +70,10 @@ class Runtime:
             # model) and the talker's context. The talker and the code predictor get no
             # throw-away step: it delayed the first audio from process start by 0.1-0.5 s (a
             # quiet to a busy host) and left the first utterance's time to first audio as it
-            # was (measured). Creating
-            # the context makes its whole KV cache resident for a moment (engine/pages.py): at
-            # several streams that moment would be the process's peak with the decoder's
-            # weights beside it, so then they load after it (measured: startup ~0.2 s longer).
+            # was (measured). Creating the context makes its whole KV cache resident for a
+            # moment (engine/pages.py): at several streams that moment would be the process's
+            # peak with the decoder's weights beside it, so then they load after it (measured:
+            # startup ~0.2 s longer).
             load_decoder = partial(loader.submit, _warm_decoder, model.mmproj_file, self.threads.decoder)
             codec = load_decoder() if max_streams == 1 else None
             self.code_predictor = CodePredictor(

@@ -162,10 +162,9 @@ class _Passes(Generic[Item, T]):
                 idle_since = time.monotonic()
                 while not (self._queue or self._calls or self._stopping):
                     if time.monotonic() - idle_since > IDLE_EXIT_S:
-                        self._thread = None
-                        return
+                        break
                     self._cond.wait(IDLE_EXIT_S)
-                if self._stopping:
+                if self._stopping or not (self._queue or self._calls):  # stopped, or idle
                     self._thread = None
                     return
                 if self._calls:
@@ -197,7 +196,7 @@ class _Passes(Generic[Item, T]):
             self._stopping = True
             thread = self._thread
             self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None:
             thread.join()
 
     def _gather(self) -> None:
