@@ -1,8 +1,9 @@
-"""ctypes declarations for the few libggml functions we call directly.
+"""ctypes declarations for the libggml functions we call directly: GGUF reading, quantization
+and the graph API our own engines are built on.
 
-The library is the one llama-cpp-python bundles (`llama_cpp._ggml.libggml`), so the process holds
-one ggml. Signatures follow `include/gguf.h`, `include/ggml.h` and `include/ggml-backend.h` of
-llama-cpp-python 0.3.36.
+The library is the one llama-cpp-python bundles (`llama_cpp._ggml.libggml`, which reaches
+libggml-base and libggml-cpu), so the process holds one ggml. Signatures follow `include/gguf.h`,
+`ggml.h`, `ggml-alloc.h`, `ggml-backend.h` and `ggml-cpu.h` of llama-cpp-python 0.3.36.
 """
 
 from __future__ import annotations
@@ -15,12 +16,34 @@ from llama_cpp._ggml import libggml as ggml
 
 _c = ctypes
 _ctx = _c.c_void_p
+_t = _c.c_void_p  # struct ggml_tensor *
+_i64, _f = _c.c_int64, _c.c_float
 
 
 class GGUFInitParams(ctypes.Structure):
     """struct gguf_init_params, passed by value."""
 
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+class GGMLInitParams(ctypes.Structure):
+    """struct ggml_init_params, passed by value."""
+
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class GGMLCPlan(ctypes.Structure):
+    """struct ggml_cplan (ggml-cpu.h), returned by value by ggml_graph_plan."""
+
+    _fields_ = [
+        ("work_size", ctypes.c_size_t),
+        ("work_data", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int),
+        ("threadpool", ctypes.c_void_p),
+        ("abort_callback", ctypes.c_void_p),
+        ("abort_callback_data", ctypes.c_void_p),
+        ("use_ref", ctypes.c_bool),
+    ]
 
 
 class GGMLTensor(ctypes.Structure):
@@ -75,11 +98,47 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "gguf_get_tensor_ne": ([_ctx, _c.c_int64], _c.POINTER(_c.c_int64)),
     "gguf_get_tensor_type": ([_ctx, _c.c_int64], _c.c_int),
     "gguf_get_tensor_size": ([_ctx, _c.c_int64], _c.c_size_t),
-    # ggml.h / ggml-backend.h: tensors handed to us by libllama
-    "ggml_get_name": ([_c.c_void_p], _c.c_char_p),
     "ggml_get_data": ([_c.c_void_p], _c.c_void_p),
     "ggml_nbytes": ([_c.c_void_p], _c.c_size_t),
-    "ggml_backend_tensor_set": ([_c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_size_t], None),
+    # ggml.h, ggml-alloc.h, ggml-backend.h: graphs of our own (engine/ggml_graph.py), computed
+    # by ggml-cpu.h's functions
+    "ggml_init": ([GGMLInitParams], _ctx),
+    "ggml_free": ([_ctx], None),
+    "ggml_tensor_overhead": ([], _c.c_size_t),
+    "ggml_graph_overhead_custom": ([_c.c_size_t, _c.c_bool], _c.c_size_t),
+    "ggml_new_tensor_1d": ([_ctx, _c.c_int, _i64], _t),
+    "ggml_new_tensor_2d": ([_ctx, _c.c_int, _i64, _i64], _t),
+    "ggml_new_tensor_3d": ([_ctx, _c.c_int, _i64, _i64, _i64], _t),
+    "ggml_new_tensor_4d": ([_ctx, _c.c_int, _i64, _i64, _i64, _i64], _t),
+    "ggml_view_1d": ([_ctx, _t, _i64, _c.c_size_t], _t),
+    "ggml_view_2d": ([_ctx, _t, _i64, _i64, _c.c_size_t, _c.c_size_t], _t),
+    "ggml_view_3d": ([_ctx, _t, _i64, _i64, _i64, _c.c_size_t, _c.c_size_t, _c.c_size_t], _t),
+    "ggml_reshape_2d": ([_ctx, _t, _i64, _i64], _t),
+    "ggml_reshape_3d": ([_ctx, _t, _i64, _i64, _i64], _t),
+    "ggml_mul_mat": ([_ctx, _t, _t], _t),
+    "ggml_mul": ([_ctx, _t, _t], _t),
+    "ggml_add": ([_ctx, _t, _t], _t),
+    "ggml_scale": ([_ctx, _t, _f], _t),
+    "ggml_rms_norm": ([_ctx, _t, _f], _t),
+    "ggml_swiglu_split": ([_ctx, _t, _t], _t),
+    "ggml_cpy": ([_ctx, _t, _t], _t),
+    "ggml_soft_max_ext": ([_ctx, _t, _t, _f, _f], _t),
+    # ctx, a, positions, freq factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
+    # ext_factor, attn_factor, beta_fast, beta_slow
+    "ggml_rope_ext": ([_ctx, _t, _t, _t, _c.c_int, _c.c_int, _c.c_int, _f, _f, _f, _f, _f, _f], _t),
+    "ggml_set_output": ([_t], None),
+    "ggml_new_graph_custom": ([_ctx, _c.c_size_t, _c.c_bool], _c.c_void_p),
+    "ggml_build_forward_expand": ([_c.c_void_p, _t], None),
+    "ggml_graph_n_nodes": ([_c.c_void_p], _c.c_int),
+    "ggml_graph_plan": ([_c.c_void_p, _c.c_int, _c.c_void_p], GGMLCPlan),
+    "ggml_graph_compute": ([_c.c_void_p, _c.POINTER(GGMLCPlan)], _c.c_int),
+    "ggml_backend_cpu_buffer_type": ([], _c.c_void_p),
+    "ggml_backend_cpu_buffer_from_ptr": ([_c.c_void_p, _c.c_size_t], _c.c_void_p),
+    "ggml_backend_buffer_free": ([_c.c_void_p], None),
+    "ggml_backend_tensor_alloc": ([_c.c_void_p, _t, _c.c_void_p], _c.c_int),
+    "ggml_gallocr_new": ([_c.c_void_p], _c.c_void_p),
+    "ggml_gallocr_free": ([_c.c_void_p], None),
+    "ggml_gallocr_alloc_graph": ([_c.c_void_p, _c.c_void_p], _c.c_bool),
     # type, src, dst, start, nrows, n_per_row, imatrix
     "ggml_quantize_chunk": (
         [_c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_void_p],

@@ -243,7 +243,6 @@ def test_libllama_s_mapping_leaves_the_text_embedding_out_of_memory(tiny_gguf):
 def test_the_talker_s_kv_cache_has_the_type_that_goes_with_its_weights(tiny_runtime, out_type, kv_f32):
     runtime = tiny_runtime("custom_voice", out_type)
     assert runtime.talker.lm.kv_f32 is kv_f32
-    assert runtime.code_predictor._lm.kv_f32  # F32 beside any weights: 16 positions, faster
 
 
 @pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])

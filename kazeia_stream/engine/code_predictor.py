@@ -1,252 +1,127 @@
 """The code predictor: codebooks 1..15 of a frame from the talker's hidden state and codebook 0.
 
-Its 5-layer Qwen3 LM runs on libllama as a plain `qwen3` model built in memory from the mmproj's
-`a.gen.code.*` tensors with `llama_model_init_from_user`: the metadata is a GGUF header written
-with `gguf.GGUFWriter` and parsed by libggml's `gguf_init_from_buffer`, and the weights are copied
-from the memory-mapped mmproj by the set-tensor callback. We feed embeddings, never tokens.
+Its 5-layer Qwen3 LM runs as graphs of our own on the bundled libggml (`ggml_graph`), one per
+step of a frame, built once and replayed: a step is one `ggml_graph_compute`, no graph building,
+scheduling or output copies (libllama did all three at each of the 15 decodes per frame). The
+weights are the mmproj's `a.gen.code.*` tensors in their stored types, copied once into memory
+we own; each head is applied in the graph from the stacked head tensor.
 
-Per frame (positions restart at 0): a 2-token prefill [h, C_talker(c0)], then 14 single steps fed
-`codec_embedding[j-1](cb_j)`; every input goes through small_to_mtp_projection when the model has
-one (1.7B). Codebook j comes from `lm_head[j-1]`: the model's vocabulary is the 2048 codes and its
-`output` tensor is the heads' first matrix; before each decode its data pointer is moved to head
-j-1 in our copy of the stacked heads, so each head is applied in the graph, in its stored type,
-by libllama's threads (applying them in numpy cost ~19 ms per frame at 0.6B).
+Per frame (positions restart at 0): the inputs are h and C_talker(c0) at positions 0 and 1, then
+`codec_embedding[j-1](cb_j)` at position j + 1 for j = 1..14; every input goes through
+small_to_mtp_projection when the model has one (1.7B). Codebook j comes from `lm_head[j-1]` at
+the last row of step j. Every row is its own chain of matrix-vector products (ggml's one-column
+kernels), so a row's numbers never depend on which other rows or streams share its graph;
+several rows' products with one weight run back to back while it is in cache (libggml's
+several-column Q8_0 path cost 2.3x one column for two columns here). Two rows of one frame in
+one graph (positions 0 and 1) are the causal prefill: row 1 attends to the K/V row 0 wrote.
 
 Weight types (`exact=False`, the default): the stored ones, except the F32 `ffn_down` that
-converters keep because its input peaks near 1.5e5, beyond F16 (ggml casts a matmul's input to the
-weight's type). In an F16 file it becomes F16, with its input scaled down by 2^-6 through the
-`ffn_up.scale` tensor libllama applies after the up projection and scaled back by `ffn_down.scale`
-(powers of two: exact); in a Q8_0 file it becomes Q8_0 (per-block scales, no range issue). Bytes
-read per pass at 0.6B: F16 file 189 -> 157 MB, Q8_0 file 130 -> 84 MB; the passes are memory-bound.
+converters keep because its input peaks near 1.5e5, beyond F16 (ggml casts a product's input to
+the weight's type). In an F16 file it becomes F16, with its input scaled down by 2^-6 and its
+output scaled back (powers of two: exact); in a Q8_0 file it becomes Q8_0 (per-block scales, no
+range issue). Bytes read per pass at 0.6B: F16 file 189 -> 157 MB, Q8_0 file 130 -> 84 MB.
 `exact=True` keeps every stored type (hidden states within ~1e-6 of float32). An all-F32 file
-is the same either way. The KV cache is F32 with any weights: it holds 16 positions (libllama
-pads them to 256: 10 MB per stream at 0.6B), and its attention measured ~5% faster per frame
-than with llama.cpp's default F16 cache (interleaved, 1 and 2 threads), whose queries are
-converted to F16 for every product.
+is the same either way. The KV cache is F32, 16 positions per stream (640 KiB at 0.6B).
 
-No state survives a call: each frame's passes restart at position 0 and each decode points the
-output tensor at its head first. `predict_many` runs the passes of up to `max_streams` streams
-together, each its own sequence; between two of its passes, another call may run in the
-sequences it does not use. One CodePredictor serves one thread at a time (the runtime's
-generator thread), since that pointer and the KV cache are the engine's scratch space.
+No state survives a frame: each frame's steps restart at position 0. `predict_many` runs the
+steps of up to `max_streams` streams together, each in its own KV slot; between two of its
+steps, another call may run in the slots it does not use. One CodePredictor serves one thread
+at a time (the runtime's generator thread): its KV cache and graphs are that thread's scratch.
 """
 
 from __future__ import annotations
 
-import ctypes
-import tempfile
+import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-import gguf
-import llama_cpp
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
 from ..errors import ModelFileError
-from ..ggml_lib import GGMLTensor, GGUFInitParams, ggml, quantize
+from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile
-from ..model.llama import init_backend
-from .llm import EmbeddingLM, LMOptions
+from .ggml_graph import GGML_TYPE_F32, GGML_TYPE_I32, Graph, State, Tensor, Weights, f32_view, nb, type_nbytes
 from .threads import SharedCores
 
-ARCH = "qwen3"
-# Positions per frame: the 2-token prefill and 14 steps.
+# Positions per frame: h, C_talker(c0) and 14 codebook inputs.
 _N_POS = 16
 # ffn_down's input is multiplied by this before its F16 cast (and the output by the inverse).
 _FFN_DOWN_INPUT_SCALE = 2.0**-6
+# graph nodes per row (about 40 per layer, the head) and per graph
+_NODES_PER_ROW, _NODES_PER_GRAPH = 48, 64
 
 _PLAIN = {QType.F32: np.float32, QType.F16: np.float16}
-_OUTPUT = "output.weight"
 _LAYER_TENSORS = {
     "attn_norm": L.CP_ATTN_NORM,
-    "attn_q": L.CP_ATTN_Q,
-    "attn_k": L.CP_ATTN_K,
-    "attn_v": L.CP_ATTN_V,
-    "attn_output": L.CP_ATTN_OUT,
-    "attn_q_norm": L.CP_ATTN_Q_NORM,
-    "attn_k_norm": L.CP_ATTN_K_NORM,
+    "q": L.CP_ATTN_Q,
+    "k": L.CP_ATTN_K,
+    "v": L.CP_ATTN_V,
+    "o": L.CP_ATTN_OUT,
+    "q_norm": L.CP_ATTN_Q_NORM,
+    "k_norm": L.CP_ATTN_K_NORM,
     "ffn_norm": L.CP_FFN_NORM,
-    "ffn_gate": L.CP_FFN_GATE,
-    "ffn_up": L.CP_FFN_UP,
-    "ffn_down": L.CP_FFN_DOWN,
+    "gate": L.CP_FFN_GATE,
+    "up": L.CP_FFN_UP,
+    "down": L.CP_FFN_DOWN,
 }
-# Optional tensors libllama creates for a model built from metadata (a file would simply lack
-# them) and then uses in the graph: filled with the value that makes them a no-op. Any other
-# tensor it asks for that we do not know is an error, so a libllama that adds one is noticed.
-_NEUTRAL_SUFFIXES = {".bias": 0.0, ".scale": 1.0, ".input_scale": 1.0}  # q/k/v bias, FP8-style scales
-_UNUSED = {"token_embd.weight", "cls.output.weight"}  # we feed embeddings; rerank head
 
 
 class _Plan:
-    """Which mmproj tensor fills each libllama tensor, in which type, and the scale tensors."""
+    """Which mmproj tensor becomes each weight, in which type, and ffn_down's input scales."""
 
-    def __init__(self, f: GGUFFile, n_layers: int, exact: bool) -> None:
+    def __init__(self, f: GGUFFile, cfg: CodePredictorConfig, exact: bool) -> None:
         self.file = f
-        self.sources = {"output_norm.weight": L.CP_OUTPUT_NORM}
-        for bid in range(n_layers):
-            for dst, src in _LAYER_TENSORS.items():
-                self.sources[f"blk.{bid}.{dst}.weight"] = src.format(bid=bid)
-        for src in [*self.sources.values(), L.CP_HEAD]:
+        self.sources = {"output_norm": L.CP_OUTPUT_NORM, "head": L.CP_HEAD}
+        for bid in range(cfg.num_layers):
+            for role, src in _LAYER_TENSORS.items():
+                self.sources[f"{bid}.{role}"] = src.format(bid=bid)
+        if cfg.has_projection:
+            self.sources["proj"] = L.CP_PROJ_IN + ".weight"
+            self.sources["proj_bias"] = L.CP_PROJ_IN + ".bias"
+        for src in self.sources.values():
             if not f.has_tensor(src):
                 raise ModelFileError(f"{f.path}: code predictor tensor {src!r} is missing")
-        self.types = {dst: f.tensor_type(src) for dst, src in self.sources.items()}
-        self.types[_OUTPUT] = self.types["token_embd.weight"] = f.tensor_type(L.CP_HEAD)
-        self.scales: dict[str, float] = {}
+        # vectors (norms, bias) are F32 for ggml's elementwise ops
+        self.types = {
+            name: f.tensor_type(src) if len(f.tensor_shape(src)) > 1 else QType.F32
+            for name, src in self.sources.items()
+        }
+        self.down_scale = [1.0] * cfg.num_layers
         if not exact:
-            for bid in range(n_layers):
-                down, up = f"blk.{bid}.ffn_down.weight", f"blk.{bid}.ffn_up.weight"
-                if self.types[down] == QType.F32 and self.types[up] in (QType.F16, QType.Q8_0):
-                    self.types[down] = self.types[up]
-                    if self.types[up] == QType.F16:
-                        self.scales[f"blk.{bid}.ffn_up.scale"] = _FFN_DOWN_INPUT_SCALE
-                        self.scales[f"blk.{bid}.ffn_down.scale"] = 1.0 / _FFN_DOWN_INPUT_SCALE
+            for bid in range(cfg.num_layers):
+                down, up = self.types[f"{bid}.down"], self.types[f"{bid}.up"]
+                if down == QType.F32 and up in (QType.F16, QType.Q8_0):
+                    self.types[f"{bid}.down"] = up
+                    if up == QType.F16:
+                        self.down_scale[bid] = _FFN_DOWN_INPUT_SCALE
 
-    def shape(self, dst: str) -> tuple[int, ...]:
-        """numpy shape of a tensor with stored data."""
-        if dst in (_OUTPUT, "token_embd.weight"):
-            return self.file.tensor_shape(L.CP_HEAD)[1:]
-        return self.file.tensor_shape(self.sources[dst])
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.tensor_shape(self.sources[name])
 
-    def data(self, dst: str) -> np.ndarray:
-        """The bytes libllama gets for a tensor with stored data (converted if planned)."""
-        if dst == _OUTPUT:
-            return np.ascontiguousarray(self.file.raw(L.CP_HEAD)[0])
-        src = self.sources[dst]
-        stored, wanted = self.file.tensor_type(src), self.types[dst]
-        if wanted == stored:  # mapped: libllama copies it into its buffer, the one copy made
+    def data(self, name: str) -> np.ndarray:
+        """The stored data of a weight (converted if planned)."""
+        src = self.sources[name]
+        stored, wanted = self.file.tensor_type(src), self.types[name]
+        if wanted == stored:
             return self.file.raw(src)
+        if wanted == QType.F32:
+            return self.file.read(src)
         if wanted == QType.F16:
             return self.file.read(src).astype(np.float16)
         return quantize(self.file.read(src), wanted)
 
-    def nbytes(self, dst: str) -> int:
-        *rows, cols = self.shape(dst)
-        block, type_size = gguf.GGML_QUANT_SIZES[self.types[dst]]
-        return int(np.prod(rows, dtype=np.int64)) * (cols // block * type_size)
-
-
-def _metadata(plan: _Plan, cfg: CodePredictorConfig) -> bytes:
-    """A metadata-only GGUF (KV pairs and tensor infos, no data) describing the LM as `qwen3`.
-    libllama takes the shapes from the hyperparameters and each tensor's type from its info."""
-    with tempfile.TemporaryDirectory(prefix="kazeia-cp-") as tmp:
-        path = Path(tmp) / "code_predictor.gguf"
-        w = gguf.GGUFWriter(path, ARCH)
-        w.add_name("qwen3-tts code predictor")
-        w.add_context_length(4096)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_heads)
-        w.add_head_count_kv(cfg.num_kv_heads)
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_tokenizer_model("none")
-        w.add_vocab_size(cfg.vocab_size)
-        for dst, qtype in plan.types.items():
-            w.add_tensor_info(dst, plan.shape(dst), np.dtype(np.float32), plan.nbytes(dst), raw_dtype=qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        w.close()
-        header = path.read_bytes()
-    # gguf's reader seeks to the aligned start of the data section: it must lie in the buffer
-    return header + bytes(-len(header) % w.data_alignment)
-
-
-class _Weights:
-    """The set-tensor callback: each tensor's bytes, checked against what libllama made."""
-
-    def __init__(self, plan: _Plan) -> None:
-        self.plan = plan
-        self.error: Exception | None = None
-        self.loaded: set[str] = set()
-        self.output: int | None = None  # address of the output tensor
-        self.callback = llama_cpp.llama_model_set_tensor_data_t(self._set)
-
-    def _set(self, tensor: int, _userdata: int) -> None:
-        try:
-            self._copy(tensor)
-        except Exception as e:  # an exception cannot cross the C callback: keep it for later
-            if self.error is None:
-                self.error = e
-
-    def _copy(self, tensor: int) -> None:
-        name = ggml.ggml_get_name(tensor).decode()
-        nbytes = ggml.ggml_nbytes(tensor)
-        t = GGMLTensor.from_address(tensor)
-        if name in self.plan.types and name not in _UNUSED:
-            data = self.plan.data(name)
-            qtype = self.plan.types[name]
-            shape = self.plan.shape(name)[::-1]
-            ne = tuple(t.ne)
-            if t.type != qtype or ne != shape + (1,) * (4 - len(shape)) or data.nbytes != nbytes:
-                raise ModelFileError(
-                    f"{self.plan.file.path}: {name} should be {qtype.name} {shape}; libllama made "
-                    f"type {t.type} {ne}"
-                )
-            self.loaded.add(name)
-            if name == _OUTPUT:
-                if ggml.ggml_get_data(tensor) != t.data or t.name != name.encode():
-                    raise ModelFileError("struct ggml_tensor differs from ggml_lib.GGMLTensor")
-                self.output = tensor
-        elif name in _UNUSED:
-            data = np.zeros(nbytes, dtype=np.uint8)
-        else:
-            value = self.plan.scales.get(name)
-            if value is None:
-                value = next((v for k, v in _NEUTRAL_SUFFIXES.items() if name.endswith(k)), None)
-            if value is None or t.type != QType.F32:
-                raise ModelFileError(f"libllama asks for a code predictor tensor {name!r} we cannot supply")
-            data = np.full(nbytes // 4, value, dtype=np.float32)
-        ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, nbytes)
-
-
-def build_llama_model(plan: _Plan, cfg: CodePredictorConfig) -> tuple[llama_cpp.llama_model_p, int]:
-    """A libllama `qwen3` model holding the code predictor (weights copied), and the address of
-    its output tensor (struct ggml_tensor), whose data pointer selects the head."""
-    init_backend()
-    f = plan.file
-    header = _metadata(plan, cfg)
-    buf = ctypes.create_string_buffer(header, len(header))
-    meta = ggml.gguf_init_from_buffer(buf, len(header), GGUFInitParams(True, None))
-    if not meta:
-        raise ModelFileError(f"{f.path}: libggml rejected the code predictor's metadata")
-    weights = _Weights(plan)
-    try:
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0
-        model = llama_cpp.llama_model_init_from_user(meta, weights.callback, None, params)
-    finally:
-        ggml.gguf_free(meta)
-    problem = weights.error
-    if problem is None and not model:
-        problem = ModelFileError(
-            f"{f.path}: libllama could not build the code predictor (run with -v for llama.cpp's reason)"
-        )
-    missing = sorted(set(plan.types) - _UNUSED - weights.loaded)
-    if problem is None and missing:
-        problem = ModelFileError(f"{f.path}: libllama did not ask for {missing}")
-    if problem is None and weights.output is None:
-        problem = ModelFileError(f"{f.path}: libllama made no output tensor")
-    if problem is not None:
-        if model:
-            llama_cpp.llama_model_free(model)
-        raise problem
-    assert weights.output is not None
-    return model, weights.output
+    def nbytes(self, name: str) -> int:
+        return type_nbytes(self.types[name], self.shape(name))
 
 
 class _Table:
     """Rows of a stacked [groups, rows, width] tensor as float32, dequantized on demand."""
 
     def __init__(self, f: GGUFFile, name: str) -> None:
-        self.raw = f.raw(name)
+        self.raw = np.asarray(f.raw(name))  # a plain view: a memmap's indexing costs ~10 us
         self.qtype = f.tensor_type(name)
 
     def row(self, *index: int) -> np.ndarray:
@@ -276,68 +151,147 @@ class CodePredictor:
         self.max_streams = max_streams
         self.n_groups = cfg.num_code_groups - 1
         self.vocab_size = cfg.vocab_size
+        self.threads = threads
+        self.cores = cores or SharedCores(threads)
         self._embd = _Table(f, L.CP_EMBD)  # [15, 2048, talker hidden]
         self._talker_embd = _Table(f, L.CP_OUT_EMBD)  # [codec vocab, talker hidden]
         self.talker_hidden = f.tensor_shape(L.CP_EMBD)[-1]
-        self._proj: tuple[np.ndarray, np.ndarray] | None = None  # weight [hidden, talker], bias
-        if cfg.has_projection:
-            self._proj = (
-                f.read(L.CP_PROJ_IN + ".weight"),
-                f.read(L.CP_PROJ_IN + ".bias"),
-            )
-        # our copy of the heads (stored type); the output tensor points into it
-        self._heads = f.load(L.CP_HEAD)
-        self._head_bytes = self._heads[0].nbytes
-        plan = _Plan(f, cfg.num_layers, exact)
-        model, output = build_llama_model(plan, cfg)
-        # what a pass reads: every matrix libllama holds (one head: `output`), our projection
-        read = [dst for dst in plan.types if dst not in _UNUSED]
-        self.bytes_per_pass = sum(plan.nbytes(dst) for dst in read)
-        self.params_per_pass = sum(int(np.prod(plan.shape(dst))) for dst in read)
-        if self._proj is not None:
-            self.bytes_per_pass += self._proj[0].nbytes
-            self.params_per_pass += self._proj[0].size
-        self._model: llama_cpp.llama_model_p | None = model
-        self._output = GGMLTensor.from_address(output)
-        self._lm = EmbeddingLM(
-            model,
-            cfg,
-            cfg.vocab_size,
-            1,
-            LMOptions(threads, n_ctx=_N_POS, n_batch=_N_POS * max_streams, kv_f32=True, n_seq=max_streams),
-            cores,
+        plan = _Plan(f, cfg, exact)
+        self._down_scale = plan.down_scale
+        self._weights = Weights(
+            [(name, plan.types[name], plan.shape(name), plan.data(name)) for name in plan.sources]
         )
+        # what a pass reads: every weight but the heads, and one head
+        n_heads = plan.shape("head")[0]
+        self.bytes_per_pass = sum(plan.nbytes(n) for n in plan.sources if n != "head")
+        self.bytes_per_pass += plan.nbytes("head") // n_heads
+        self.params_per_pass = sum(int(np.prod(plan.shape(n))) for n in plan.sources if n != "head")
+        self.params_per_pass += int(np.prod(plan.shape("head"))) // n_heads
+        hd, kvh = cfg.head_dim, cfg.num_kv_heads
+        shapes = {
+            "positions": (GGML_TYPE_I32, (_N_POS,)),
+            "input": (GGML_TYPE_F32, (2 * max_streams, self.talker_hidden)),
+        }
+        for bid in range(cfg.num_layers):
+            shapes[f"{bid}.k"] = (GGML_TYPE_F32, (max_streams, kvh, _N_POS, hd))
+            shapes[f"{bid}.v"] = (GGML_TYPE_F32, (max_streams, kvh, hd, _N_POS))  # transposed
+        self._state = State(shapes)
+        self._state.arrays["positions"][:] = np.arange(_N_POS)
+        self._input = self._state.arrays["input"]
+        self._graphs: dict[tuple[int, int, int], tuple[Graph, list[np.ndarray]]] = {}
 
     def close(self) -> None:
-        """Free the context and the model (once; also when collected)."""
-        if hasattr(self, "_lm"):
-            self._lm.close()
-        if getattr(self, "_model", None):
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+        """Free the graphs, the KV cache and the weights (once; also when collected)."""
+        for graph, _ in getattr(self, "_graphs", {}).values():
+            graph.close()
+        self._graphs = {}
+        for part in ("_state", "_weights"):
+            if hasattr(self, part):
+                getattr(self, part).close()
 
     __del__ = close
 
     def set_threads(self, threads: int) -> None:
-        self._lm.set_threads(threads)
+        self.threads = threads
 
-    def _project(self, x: np.ndarray) -> np.ndarray:
-        if self._proj is None:
-            return x
-        weight, bias = self._proj
-        # einsum runs in this thread: a BLAS call would wake OpenBLAS threads that spin on the
-        # core libllama's second thread needs
-        return np.einsum("oi,ni->no", weight, x) + bias
+    def _graph(self, step: int, first_seq: int, n: int) -> tuple[Graph, list[np.ndarray]]:
+        """The graph of codebook `step` for the streams in KV slots first_seq .. + n - 1, and
+        views of their logits: built at its first use, then replayed."""
+        key = (step, first_seq, n)
+        if key not in self._graphs:
+            self._graphs[key] = self._build(step, first_seq, n)
+        return self._graphs[key]
 
-    def _step(self, parts: list[tuple[int, np.ndarray, int]], codebook: int) -> np.ndarray:
-        """Feed each stream's rows (talker width) after its frame's earlier inputs: parts are
-        (sequence, rows, position), codebook 1 the first two rows at position 0, codebook j one
-        row at position j; the logits of `codebook` at each part's last row [parts, vocab]."""
-        self._output.data = self._heads.ctypes.data + (codebook - 1) * self._head_bytes
-        projected = self._project(np.concatenate([rows for _, rows, _ in parts]))
-        ends = np.cumsum([len(rows) for _, rows, _ in parts])
-        pieces = np.split(projected, ends[:-1])
-        return self._lm.forward_many([(seq, x, pos) for (seq, _, pos), x in zip(parts, pieces)])[1]
+    @staticmethod
+    def _input_row(seq: int, pos: int) -> int:
+        """Slot `seq`'s input row for position `pos`: two rows per slot, h and C_talker(c0)
+        at positions 0 and 1, then the first row again for each later position."""
+        return 2 * seq + (pos if pos < 2 else 0)
+
+    def _build(self, step: int, first_seq: int, n: int) -> tuple[Graph, list[np.ndarray]]:
+        cfg, w = self.config, self._weights
+        positions = (0, 1) if step == 1 else (step,)
+        rows = [(seq, p) for seq in range(first_seq, first_seq + n) for p in positions]
+        g = Graph(_NODES_PER_ROW * cfg.num_layers * len(rows) + _NODES_PER_GRAPH)
+        inp = self._state["input"]
+        row_bytes = nb(inp)[1]
+        xs = [
+            g.view(inp, (self.talker_hidden, 1), (row_bytes,), self._input_row(seq, p) * row_bytes)
+            for seq, p in rows
+        ]
+        if "proj" in w.tensors:
+            xs = [g.add(g.mul_mat(w["proj"], x), w["proj_bias"]) for x in xs]
+        for bid in range(cfg.num_layers):
+            xs = self._layer(g, bid, xs, rows)
+        head = g.matrix(w["head"], step - 1)
+        logits = [
+            g.output(g.mul_mat(head, g.mul(g.rms_norm(x, cfg.rms_norm_eps), w["output_norm"])))
+            for x, (_, p) in zip(xs, rows)
+            if p == positions[-1]
+        ]
+        g.allocate()
+        return g, [f32_view(t, (self.vocab_size,)) for t in logits]
+
+    def _layer(self, g: Graph, bid: int, xs: list[Tensor], rows: list[tuple[int, int]]) -> list[Tensor]:
+        """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over rows (KV slot, position), each
+        op for every row before the next op."""
+        cfg, st = self.config, self._state
+        w = {role: self._weights[f"{bid}.{role}"] for role in _LAYER_TENSORS}
+        hd, heads, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        k_cache, v_cache = st[f"{bid}.k"], st[f"{bid}.v"]  # [hd, pos, kvh, slot], [pos, hd, kvh, slot]
+        knb, vnb = nb(k_cache), nb(v_cache)
+
+        def normed(x: Tensor, weight: str) -> Tensor:
+            return g.mul(g.rms_norm(x, eps), w[weight])
+
+        def roped(x: Tensor, n_heads: int, weight: str, pos: int) -> Tensor:
+            position = g.view(st["positions"], (1,), offset=4 * pos)
+            return g.rope_neox(normed(g.reshape(x, hd, n_heads, 1), weight), position, cfg.rope_theta)
+
+        hs = [normed(x, "attn_norm") for x in xs]
+        qs = [g.mul_mat(w["q"], h) for h in hs]
+        ks = [g.mul_mat(w["k"], h) for h in hs]
+        vs = [g.mul_mat(w["v"], h) for h in hs]
+        qs = [roped(q, heads, "q_norm", p) for q, (_, p) in zip(qs, rows)]
+        ks = [roped(k, kvh, "k_norm", p) for k, (_, p) in zip(ks, rows)]
+        for k, v, (seq, p) in zip(ks, vs, rows):
+            g.cpy(
+                g.reshape(k, hd, 1, kvh), g.view(k_cache, (hd, 1, kvh), knb[1:3], seq * knb[3] + p * knb[1])
+            )
+            g.cpy(
+                g.reshape(v, 1, hd, kvh), g.view(v_cache, (1, hd, kvh), vnb[1:3], seq * vnb[3] + p * vnb[0])
+            )
+        attended = []
+        for q, (seq, p) in zip(qs, rows):
+            keys = g.view(k_cache, (hd, p + 1, kvh), knb[1:3], seq * knb[3])
+            values = g.view(v_cache, (p + 1, hd, kvh), vnb[1:3], seq * vnb[3])
+            weights = g.soft_max(g.mul_mat(keys, g.reshape(q, hd, 1, heads)), 1.0 / math.sqrt(hd))
+            attended.append(g.reshape(g.mul_mat(values, weights), hd * heads, 1))
+        xs = [g.add(x, g.mul_mat(w["o"], a)) for x, a in zip(xs, attended)]
+        hs = [normed(x, "ffn_norm") for x in xs]
+        gates = [g.mul_mat(w["gate"], h) for h in hs]
+        ups = [g.mul_mat(w["up"], h) for h in hs]
+        acts = [g.swiglu(a, b) for a, b in zip(gates, ups)]
+        scale = self._down_scale[bid]
+        if scale != 1.0:
+            acts = [g.scale(a, scale) for a in acts]
+        downs = [g.mul_mat(w["down"], a) for a in acts]
+        if scale != 1.0:
+            downs = [g.scale(d, 1.0 / scale) for d in downs]
+        return [g.add(x, d) for x, d in zip(xs, downs)]
+
+    def _step(self, step: int, first_seq: int, n: int) -> list[np.ndarray]:
+        """Run codebook `step`'s graph on its input rows: each stream's logits [vocab] (views,
+        valid until the graph runs again)."""
+        graph, logits = self._graph(step, first_seq, n)
+        graph.compute(self.cores.threads(self.threads))
+        return logits
+
+    def _start(self, first_seq: int, hidden: np.ndarray, code0: Sequence[int]) -> None:
+        """Write each stream's first two input rows: h and C_talker(code0)."""
+        for seq, h, c in zip(range(first_seq, first_seq + len(code0)), hidden, code0):
+            self._input[self._input_row(seq, 0)] = h
+            self._input[self._input_row(seq, 1)] = self._talker_embd.row(int(c))
 
     def predict(
         self, hidden: np.ndarray, code0: int, sample: Callable[[np.ndarray], int]
@@ -356,24 +310,18 @@ class CodePredictor:
         first_seq: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
         """`predict` for several streams at once (hidden [S, talker hidden], one code0 and one
-        sampler each), every pass one decode of all of them: codes [S, 16], embeddings [S, H].
-        Each stream is its own sequence (`first_seq` onwards), so its codes do not depend on the
-        others; `between(seq)` runs between two passes, and may predict other streams' frames
-        in the sequences from `seq` on."""
+        sampler each): codes [S, 16], embeddings [S, H]. Each stream has its own KV slot
+        (`first_seq` onwards) and its own rows in each step's graph, so its codes do not depend
+        on the others; `between(seq)` runs between two steps, and may predict other streams'
+        frames in the slots from `seq` on."""
         n = len(code0)
         if first_seq + n > self.max_streams:
             raise ValueError(f"{first_seq + n} sequences > the code predictor's {self.max_streams}")
         codes = np.empty((n, self.n_groups + 1), dtype=np.int64)
         codes[:, 0] = code0
-        seqs = range(first_seq, first_seq + n)
-        parts = [
-            (seq, np.stack([np.asarray(h, np.float32), self._talker_embd.row(int(c))]), 0)
-            for seq, h, c in zip(seqs, hidden, code0)
-        ]
-        for seq in seqs:
-            self._lm.keep(0, seq)
+        self._start(first_seq, hidden, code0)
         for j in range(1, self.n_groups + 1):
-            logits = self._step(parts, j)
+            logits = self._step(j, first_seq, n)
             for s in range(n):
                 code = int(samplers[s](logits[s]))
                 if not 0 <= code < self.vocab_size:
@@ -381,21 +329,20 @@ class CodePredictor:
                         f"sampled code {code} of codebook {j} is outside 0..{self.vocab_size - 1}"
                     )
                 codes[s, j] = code
-            parts = [(seq, self._embd.row(j - 1, int(c))[None], j + 1) for seq, c in zip(seqs, codes[:, j])]
+                self._input[self._input_row(first_seq + s, j + 1)] = self._embd.row(j - 1, code)
             if between is not None and j < self.n_groups:
                 between(first_seq + n)
         return codes, np.stack([self.embed(c) for c in codes])
 
     def teacher_forced_logits(self, hidden: np.ndarray, codes: np.ndarray) -> np.ndarray:
-        """[15, vocab]: codebook j's logits given codes 0..j-1 of the frame (the same decodes
-        as `predict`, fed the given codes)."""
+        """[15, vocab]: codebook j's logits given codes 0..j-1 of the frame (the same steps as
+        `predict`, fed the given codes)."""
         codes = np.asarray(codes)
-        x = np.stack([np.asarray(hidden, dtype=np.float32), self._talker_embd.row(int(codes[0]))])
         logits = np.empty((self.n_groups, self.vocab_size), dtype=np.float32)
-        self._lm.clear(clear_data=False)
+        self._start(0, np.asarray(hidden, np.float32)[None], [int(codes[0])])
         for j in range(1, self.n_groups + 1):
-            logits[j - 1] = self._step([(0, x, 0 if j == 1 else j)], j)[0]
-            x = self._embd.row(j - 1, int(codes[j]))[None]
+            logits[j - 1] = self._step(j, 0, 1)[0]
+            self._input[self._input_row(0, j + 1)] = self._embd.row(j - 1, int(codes[j]))
         return logits
 
     def embed(self, codes: np.ndarray) -> np.ndarray:
