@@ -114,7 +114,7 @@ def cmd_voices(args: argparse.Namespace) -> int:
     from .model.voice import VoiceLibrary
 
     model = _model(args)
-    model.ready()  # a talker file libllama refuses is reported here too
+    model.ready()  # a vocabulary libllama refuses is reported here too
     print(f"model: {model.kind} ({model.config.size}), {model.sample_rate} Hz")
     if model.kind == "base":
         library = VoiceLibrary(args.voices)

@@ -126,6 +126,10 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     # ctx, a, positions, freq factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
     # ext_factor, attn_factor, beta_fast, beta_slow
     "ggml_rope_ext": ([_ctx, _t, _t, _t, _c.c_int, _c.c_int, _c.c_int, _f, _f, _f, _f, _f, _f], _t),
+    "ggml_set_rows": ([_ctx, _t, _t, _t], _t),
+    "ggml_cont": ([_ctx, _t], _t),
+    "ggml_permute": ([_ctx, _t, _c.c_int, _c.c_int, _c.c_int, _c.c_int], _t),
+    "ggml_set_input": ([_t], None),
     "ggml_set_output": ([_t], None),
     "ggml_new_graph_custom": ([_ctx, _c.c_size_t, _c.c_bool], _c.c_void_p),
     "ggml_build_forward_expand": ([_c.c_void_p, _t], None),

@@ -19,23 +19,20 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any
 
-import llama_cpp
 import numpy as np
 import trio
 
 from .cloning import Audio, VoiceEncoders
 from .engine.code_predictor import CodePredictor
 from .engine.codec import CodecDecoder, DecoderState
-from .engine.frames import PREFILL_PIECE, FrameLoop, GenerationOptions, max_text_tokens
-from .engine.llm import LMOptions, kv_f32_for
+from .engine.frames import FrameLoop, GenerationOptions, max_text_tokens
 from .engine.talker import Talker
 from .engine.threads import SharedCores, Threads
 from .errors import EmptyTextError, UsageError
 from .model import Model
-from .model import gguf_layout as L
 from .model.gguf_file import GGUFFile
 from .model.model import VoiceArg
 from .model.prompt import Prompt
@@ -46,6 +43,9 @@ from .session import Session, single_errors
 
 # A segment shorter than this many bytes could not hold a sentence: the instruction is too long.
 MIN_SEGMENT_BYTES = 16
+# Streams at once at most: each holds a talker KV slot (235 MB of address space at 0.6B and 1.7B,
+# resident where written).
+MAX_STREAMS = 64
 
 
 class Runtime:
@@ -53,29 +53,21 @@ class Runtime:
     call on it."""
 
     def __init__(self, model: Model, threads: Threads | None = None, max_streams: int = 1) -> None:
-        most = llama_cpp.llama_max_parallel_sequences()
-        if not 1 <= max_streams <= most:
-            raise UsageError(f"max_streams must be between 1 and {most}, not {max_streams}")
+        if not 1 <= max_streams <= MAX_STREAMS:
+            raise UsageError(f"max_streams must be between 1 and {MAX_STREAMS}, not {max_streams}")
         self.model = model
         self.threads = threads or Threads.default()
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        # room in one decode for every stream's step or prefill piece
-        n_batch = max(LMOptions.n_batch, (PREFILL_PIECE + 1) * max_streams)
-        kv_f32 = kv_f32_for(model.talker_file.tensor_type(L.TALKER_FFN_UP.format(bid=0)))
         with ThreadPoolExecutor(1) as loader:
-            # Reading the decoder's weights and its first decode (no GIL held) overlap with
-            # building the code predictor (while libllama loads the talker, begun with the
-            # model) and the talker's context. The talker and the code predictor get no
-            # throw-away step: it delayed the first audio from process start by 0.1-0.5 s (a
-            # quiet to a busy host) and left the first utterance's time to first audio as it
-            # was (measured). Creating the context makes its whole KV cache resident for a
-            # moment (engine/pages.py): at several streams that moment would be the process's
-            # peak with the decoder's weights beside it, so then they load after it (measured:
-            # startup ~0.2 s longer).
-            load_decoder = partial(loader.submit, _warm_decoder, model.mmproj_file, self.threads.decoder)
-            codec = load_decoder() if max_streams == 1 else None
+            # The decoder's weights are read and its first frame decoded (no GIL held) while
+            # the code predictor and the talker take their weights in place in the files'
+            # mappings, and the pages of those are mapped now rather than in the first frame.
+            # The talker and the code predictor get no throw-away step: it delayed the first
+            # audio from process start by 0.1-0.5 s (a quiet to a busy host) and left the
+            # first utterance's time to first audio as it was (measured).
+            codec = loader.submit(_warm_decoder, model.mmproj_file, self.threads.decoder)
             self.code_predictor = CodePredictor(
                 model.mmproj_file,
                 cfg.code_predictor,
@@ -84,13 +76,12 @@ class Runtime:
                 max_streams=max_streams,
             )
             self.talker = Talker(
-                model.llama_model.ptr,
-                cfg.talker,
-                LMOptions(self.threads.talker, n_batch=n_batch, kv_f32=kv_f32, n_seq=max_streams),
-                self.cores,
+                model.talker_file, cfg.talker, self.threads.talker, slots=max_streams, cores=self.cores
             )
-            codec = codec or load_decoder()
+            for weights in (self.code_predictor.weights, self.talker.weights):
+                weights.prefault()
             self.codec = codec.result()
+        model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
         self.generator = Generator(self.frames)

@@ -226,7 +226,7 @@ _live: weakref.WeakSet[_Passes[Any, Any]] = weakref.WeakSet()
 @atexit.register
 def _stop_all() -> None:
     """At interpreter exit, before daemon threads are frozen and the C libraries torn down:
-    an engine thread still in a pass is inside libllama or BLAS, and the process would crash
+    an engine thread still in a pass is inside libggml or BLAS, and the process would crash
     (SIGSEGV in libggml-cpu, seen when a `--pipe` reader closed stdout mid-utterance) if their
     state went away under it. So each ends its pass first."""
     for passes in list(_live):
@@ -338,7 +338,7 @@ class _Decode:
 
 class Decoder(_Passes[_Decode, np.ndarray]):
     """PCM of every stream's next frame, in shared passes of the codec decoder. While a pass
-    runs, it holds `threads` of the cores that libllama's calls share (`SharedCores`)."""
+    runs, it holds `threads` of the cores that the graphs' calls share (`SharedCores`)."""
 
     def __init__(self, codec: CodecDecoder, cores: SharedCores, streams: Callable[[], int]) -> None:
         super().__init__("kazeia-decoder")

@@ -12,7 +12,6 @@ import trio
 
 import kazeia_stream
 from kazeia_stream.engine.frames import FrameLoop, GenerationOptions
-from kazeia_stream.engine.llm import LMOptions
 from kazeia_stream.engine.talker import Talker
 from kazeia_stream.model.segments import split_text
 
@@ -139,7 +138,7 @@ def test_pipe_speaks_a_page_on_one_line(runtime, segments, capped_model):
 def test_an_utterance_stops_at_the_end_of_the_talker_context(tiny_runtime):
     runtime = tiny_runtime("custom_voice")
     model = runtime.model
-    small = Talker(model.llama_model.ptr, model.config.talker, LMOptions(1, n_ctx=40))
+    small = Talker(model.talker_file, model.config.talker, 1, n_ctx=40)
     loop = FrameLoop(small, runtime.code_predictor, model.config)
     prompt = model.prompt("Hello there.", voice="ryan")
     state = loop.start(

@@ -190,7 +190,7 @@ def test_wrong_gguf_in_either_place(tiny_gguf, tmp_path):
 
 
 def one_layer_more(talker: Path) -> None:
-    """Make a talker file claim one layer more than it holds: only libllama sees it."""
+    """Make a talker file claim one layer more than it holds (its metadata alone is wrong)."""
     data = bytearray(talker.read_bytes())
     key = b"qwen3tts.block_count"
     at = data.index(key) + len(key) + 4  # the key, its u32 type, then its u32 value
@@ -198,10 +198,21 @@ def one_layer_more(talker: Path) -> None:
     talker.write_bytes(bytes(data))
 
 
-def test_a_talker_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
+def test_a_talker_missing_a_layer_s_tensors_is_refused_at_load(tiny_gguf, tmp_path):
     talker, _ = _copy_pair(tiny_gguf, tmp_path)
     one_layer_more(talker)
-    model = kazeia_stream.load_model(tmp_path)  # libllama loads in the background
+    with pytest.raises(ModelFileError, match=r"talker tensor 'blk\.2\.attn_norm\.weight' is missing"):
+        kazeia_stream.load_model(tmp_path)
+
+
+def test_a_vocabulary_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    data = bytearray(talker.read_bytes())
+    at = data.index(b"tokenizer.ggml.model") + len(b"tokenizer.ggml.model") + 4 + 8  # its type, length
+    assert data[at : at + 4] == b"gpt2"
+    data[at : at + 4] = b"zzzz"  # a tokenizer model libllama does not know
+    talker.write_bytes(bytes(data))
+    model = kazeia_stream.load_model(tmp_path)  # libllama loads the vocabulary in the background
     for use in (model.ready, lambda: kazeia_stream.Runtime(model), lambda: model.prompt("Hi."), model.ready):
         with pytest.raises(ModelFileError, match="libllama could not load it"):
             use()
@@ -228,15 +239,14 @@ def _resident(path: Path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux")
-def test_libllama_s_mapping_leaves_the_text_embedding_out_of_memory(tiny_gguf):
-    talker, _ = tiny_gguf("custom_voice", "q8_0")
-    model = kazeia_stream.load_model(talker)
-    model.ready()  # libllama has mapped the file
+def test_the_talker_s_text_embedding_stays_out_of_memory(tiny_runtime):
+    runtime = tiny_runtime("custom_voice", "q8_0")
+    model = runtime.model
+    talker = model.talker_path
+    assert model.prompt("Hello.", voice=model.default_voice).prefill.shape[0] > 0  # rows we read
     embd = model.talker_file.span(L.TALKER_TOKEN_EMBD)[1]
-    whole = [(size, rss) for size, rss in _resident(talker) if size > embd]  # libllama's
-    assert whole and all(rss <= size - embd + 2 * 4096 for size, rss in whole)
-    # what we read of it, we read from our own mapping: a text's rows
-    assert model.prompt("Hello.", voice=model.default_voice).prefill.shape[0] > 0
+    mapped = [(size, rss) for size, rss in _resident(talker) if size > embd]  # the engines'
+    assert mapped and all(rss <= size - embd + 2 * 4096 for size, rss in mapped)
 
 
 @pytest.mark.parametrize("out_type, kv_f32", [("f32", True), ("q8_0", False)])

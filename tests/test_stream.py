@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-import llama_cpp
 import numpy as np
 import pytest
 import trio
 
 import kazeia_stream
 from kazeia_stream import UsageError
+from kazeia_stream.engine.ggml_graph import Graph
 from kazeia_stream.session import AUDIO_BUFFER, FRAME_BUFFER
 
 TEXT = "Hello there, this is a tiny test of the streaming pipeline."
@@ -118,13 +118,9 @@ async def test_a_slow_consumer_holds_the_producers_back(runtime):
 
 @pytest.mark.skipif(kazeia_stream.Threads.default().cores < 2, reason="lends a core: needs 2")
 async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime, monkeypatch):
-    threads = []  # libllama's thread count, each time it changes
-    set_threads = llama_cpp.llama_set_n_threads
-    monkeypatch.setattr(
-        llama_cpp,
-        "llama_set_n_threads",
-        lambda ctx, n, n_batch: threads.append(n) or set_threads(ctx, n, n_batch),
-    )
+    threads = []  # the thread count of each graph the talker and the code predictor ran
+    compute = Graph.compute
+    monkeypatch.setattr(Graph, "compute", lambda graph, n: threads.append(n) or compute(graph, n))
     async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         await collect(utterance)
@@ -133,7 +129,7 @@ async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime,
         assert gen[1][1] >= dec[0][2]  # the first decode ran alone
         overlapping = sum(1 for _, d0, d1 in dec for _, g0, g1 in gen if d0 < g1 and g0 < d1)
         assert overlapping > 0
-        # libllama's calls gave a core to the decoder beside them, and took it back
+        # the graphs' calls gave a core to the decoder beside them, and took it back
         cores = runtime.threads.cores
         lent = threads.index(cores - 1)
         assert cores in threads[lent:] and runtime.cores.lent == 0

@@ -1,75 +1,86 @@
-"""Graphs of our own on the bundled libggml: weights in one buffer we own, a graph built once
-per shape and replayed, its intermediate tensors in memory allocated once.
+"""Graphs of our own on the bundled libggml: weights used in place in the GGUF file's mapping,
+state in memory we own, and graphs built once per shape and replayed.
 
-libllama builds a graph, schedules it and copies its outputs at every decode; for a model as
-small as the code predictor that overhead is a large part of each of its 15 passes per frame.
-Here a graph is a fixed list of ggml ops over fixed tensors: a replay is one
-`ggml_graph_compute`, inputs written into and outputs read from numpy views of tensor memory.
+libllama builds a graph, schedules it and copies its outputs at every decode (for the code
+predictor's 15 small passes per frame that overhead was a large part of the work), and its
+kernel for several rows cost 2.3x its one-row kernel for two rows here (streams side by side). Here a graph
+is a fixed list of ggml ops over fixed tensors: a replay is one `ggml_graph_compute` (GIL
+released), its inputs written into and its outputs read from numpy views of tensor memory.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import mmap
+from collections.abc import Mapping, Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType
 
 from ..ggml_lib import GGMLCPlan, GGMLInitParams, GGMLTensor, ggml
+from ..model.gguf_file import GGUFFile
 
 Tensor = int  # the address of a struct ggml_tensor
-GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
 GGML_ROPE_TYPE_NEOX = 2
-_ALIGN = 64  # each weight's start in the buffer: a cache line (ggml asks for 32 bytes)
+_ALIGN = 64  # where each tensor of our own memory starts (ggml asks for 32 bytes)
+MADV_POPULATE_READ = 22  # Linux 5.14
+_NUMPY = {QType.F32: np.float32, QType.F16: np.float16, QType.I32: np.int32, QType.I64: np.int64}
 
 
-def _array(t: Tensor, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
-    """A numpy view of a tensor's memory (numpy axis order: reversed ggml dims)."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    data = (ctypes.c_uint8 * size).from_address(ggml.ggml_get_data(t))
-    return np.frombuffer(memoryview(data), dtype=np.dtype(dtype)).reshape(shape)
+def nbytes(qtype: QType, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of `qtype` and numpy `shape`."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * size)
 
 
-def _context(n_tensors: int, data_bytes: int = 0, graph_nodes: int = 0) -> int:
-    """A ggml context with room for `n_tensors` tensor headers, `data_bytes` of their data
-    (none: the tensors get memory elsewhere) and a graph of `graph_nodes`."""
-    size = n_tensors * ggml.ggml_tensor_overhead() + data_bytes
+def dims(t: Tensor) -> tuple[int, ...]:
+    """A tensor's sizes ne (ggml order)."""
+    return tuple(GGMLTensor.from_address(t).ne)
+
+
+def strides(t: Tensor) -> tuple[int, ...]:
+    """A tensor's byte strides nb (ggml order)."""
+    return tuple(GGMLTensor.from_address(t).nb)
+
+
+def view_of(t: Tensor, qtype: QType, shape: tuple[int, ...]) -> np.ndarray:
+    """A numpy view of an allocated tensor's memory (numpy axis order: reversed ggml dims)."""
+    dtype = np.dtype(_NUMPY[qtype])
+    data = (ctypes.c_uint8 * (int(np.prod(shape)) * dtype.itemsize)).from_address(ggml.ggml_get_data(t))
+    return np.frombuffer(memoryview(data), dtype=dtype).reshape(shape)
+
+
+def _context(n_tensors: int, graph_nodes: int = 0) -> int:
+    """A ggml context for `n_tensors` tensor headers (their data lives elsewhere) and a graph."""
+    size = n_tensors * ggml.ggml_tensor_overhead()
     if graph_nodes:
         size += ggml.ggml_graph_overhead_custom(graph_nodes, False)
-    ctx = ggml.ggml_init(GGMLInitParams(size, None, data_bytes == 0))
+    ctx = ggml.ggml_init(GGMLInitParams(size, None, True))
     if not ctx:
         raise MemoryError("ggml_init failed")
     return ctx
 
 
-class Weights:
-    """Tensors in one buffer the process owns (numpy gives large arrays huge pages, which
-    stream faster than a file mapping's 4 KiB pages), each a ggml tensor of its stored type."""
+def _new(ctx: int, qtype: QType, shape: Sequence[int]) -> Tensor:
+    ne = tuple(shape)[::-1]
+    return getattr(ggml, f"ggml_new_tensor_{len(ne)}d")(ctx, int(qtype), *ne)
 
-    def __init__(
-        self, entries: Sequence[tuple[str, GGMLQuantizationType, tuple[int, ...], np.ndarray]]
-    ) -> None:
-        """`entries`: (name, type, shape in numpy order, stored data: plain values, or the
-        rows' bytes of a quantized type)."""
-        offsets, total = [], 0
-        for _, _, _, data in entries:
-            offsets.append(total)
-            total += -(-data.nbytes // _ALIGN) * _ALIGN
-        self._memory = np.empty(total + _ALIGN, np.uint8)
-        start = self._memory.ctypes.data + (-self._memory.ctypes.data % _ALIGN)
-        self._ctx: int | None = _context(len(entries))
-        self._buffer: int | None = ggml.ggml_backend_cpu_buffer_from_ptr(start, total)
+
+class _Tensors:
+    """Tensor headers in a context of their own, placed in one ggml buffer over memory at
+    `base` (which the owner keeps alive)."""
+
+    def __init__(self, n: int, base: int, size: int) -> None:
+        self._ctx: int | None = _context(n)
+        self._buffer: int | None = ggml.ggml_backend_cpu_buffer_from_ptr(base, size)
         self.tensors: dict[str, Tensor] = {}
-        for (name, qtype, shape, data), offset in zip(entries, offsets):
-            ne = shape[::-1]
-            t = getattr(ggml, f"ggml_new_tensor_{len(ne)}d")(self._ctx, int(qtype), *ne)
-            if ggml.ggml_nbytes(t) != data.nbytes:
-                raise ValueError(f"{name}: {data.nbytes} bytes for {qtype.name} {shape}")
-            address = start + offset
-            ggml.ggml_backend_tensor_alloc(self._buffer, t, address)
-            ctypes.memmove(address, np.ascontiguousarray(data).ctypes.data, data.nbytes)
-            self.tensors[name] = t
-        self.nbytes = total
+
+    def place(self, name: str, qtype: QType, shape: Sequence[int], address: int) -> Tensor:
+        t = _new(self._ctx, qtype, shape)  # type: ignore[arg-type]
+        ggml.ggml_backend_tensor_alloc(self._buffer, t, address)
+        self.tensors[name] = t
+        return t
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -85,38 +96,92 @@ class Weights:
     __del__ = close
 
 
-class State:
-    """Tensors that live between replays (KV caches, constant positions, inputs), in memory of
-    their own context; numpy views of them for the caller."""
+class Memory(_Tensors):
+    """Tensors in zeroed memory of our own (a private anonymous mapping: the kernel maps its
+    pages on first write, 4 KiB at a time, so a large cache is resident only where written);
+    numpy views of them in `arrays`."""
 
-    def __init__(self, shapes: dict[str, tuple[int, tuple[int, ...]]]) -> None:
-        """`shapes`: name -> (ggml type F32 or I32, shape in numpy order)."""
-        data = sum(4 * int(np.prod(shape)) + _ALIGN for _, shape in shapes.values())
-        self._ctx: int | None = _context(len(shapes), data)
-        self.tensors: dict[str, Tensor] = {}
+    def __init__(self, specs: Mapping[str, tuple[QType, tuple[int, ...]]]) -> None:
+        sizes = [-(-nbytes(qtype, shape) // _ALIGN) * _ALIGN for qtype, shape in specs.values()]
+        total = max(1, sum(sizes))
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._bytes = np.frombuffer(mmap.mmap(-1, total, flags=private), np.uint8)
+        super().__init__(len(specs), self._bytes.ctypes.data, total)
         self.arrays: dict[str, np.ndarray] = {}
-        for name, (qtype, shape) in shapes.items():
-            ne = shape[::-1]
-            t = getattr(ggml, f"ggml_new_tensor_{len(ne)}d")(self._ctx, qtype, *ne)
-            self.tensors[name] = t
-            self.arrays[name] = _array(t, np.float32 if qtype == GGML_TYPE_F32 else np.int32, shape)
-            self.arrays[name][...] = 0
+        offset = 0
+        for (name, (qtype, shape)), size in zip(specs.items(), sizes):
+            self.place(name, qtype, shape, self._bytes.ctypes.data + offset)
+            if qtype in _NUMPY:
+                data = self._bytes[offset : offset + nbytes(qtype, shape)]
+                self.arrays[name] = data.view(_NUMPY[qtype]).reshape(shape)
+            offset += size
 
-    def __getitem__(self, name: str) -> Tensor:
-        return self.tensors[name]
+
+class Weights(_Tensors):
+    """A model's weights as ggml tensors of their stored types, in place in the GGUF file's
+    read-only mapping (no copy: the page cache holds them), and the ones converted at load in
+    memory of our own (`Memory`)."""
+
+    def __init__(
+        self,
+        f: GGUFFile,
+        mapped: Mapping[str, str],
+        converted: Mapping[str, tuple[QType, np.ndarray]] | None = None,
+    ) -> None:
+        """`mapped`: our name -> the file's tensor; `converted`: our name -> (type, data as
+        that type stores it, shaped as the tensor in numpy order, quantized rows as bytes)."""
+        self._file = f.mapping
+        base = self._file.ctypes.data
+        super().__init__(len(mapped), base, len(self._file))
+        self.spans: list[tuple[int, int]] = []
+        for name, src in mapped.items():
+            offset, size = f.span(src)
+            self.place(name, f.tensor_type(src), f.tensor_shape(src), base + offset)
+            self.spans.append((offset, size))
+        converted = converted or {}
+        shapes = {name: (qtype, _logical(qtype, data.shape)) for name, (qtype, data) in converted.items()}
+        self._own = Memory(shapes)
+        for name, (_, data) in converted.items():
+            t = self._own[name]
+            ctypes.memmove(ggml.ggml_get_data(t), np.ascontiguousarray(data).ctypes.data, data.nbytes)
+            self.tensors[name] = t
+        self.nbytes = sum(size for _, size in self.spans) + sum(d.nbytes for _, d in converted.values())
+
+    def prefault(self) -> None:
+        """Map the mapped weights' pages now (from the page cache, reading the file if it is not
+        there), so that the first pass does not take page faults over all of them."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        base = self._file.ctypes.data
+        for offset, size in self.spans:
+            start = offset // page * page
+            if (
+                libc.madvise(
+                    ctypes.c_void_p(base + start), ctypes.c_size_t(offset + size - start), MADV_POPULATE_READ
+                )
+                != 0
+            ):  # an older kernel: touch a byte per page
+                int(self._file[start : offset + size : page].sum())
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            ggml.ggml_free(self._ctx)
-            self._ctx = None
+        super().close()
+        if hasattr(self, "_own"):
+            self._own.close()
 
-    __del__ = close
+
+def _logical(qtype: QType, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """The element shape of data stored as `qtype` (quantized rows are bytes)."""
+    if qtype in _NUMPY:
+        return stored
+    block, size = GGML_QUANT_SIZES[qtype]
+    return (*stored[:-1], stored[-1] // size * block)
 
 
 class Graph:
     """One graph: ops added in the order they run (each is expanded into the graph as it is
-    made, so ops of several rows on one weight run back to back while it is in cache), its
-    intermediate tensors allocated once by ggml's graph allocator, then `compute` replays it."""
+    made, so that ops of several rows on one weight run back to back while it is in cache),
+    its inputs and intermediate tensors allocated once by ggml's graph allocator, then
+    `compute` replays it."""
 
     def __init__(self, max_nodes: int) -> None:
         self._ctx: int | None = _context(max_nodes, graph_nodes=max_nodes)
@@ -127,6 +192,17 @@ class Graph:
 
     def _op(self, t: Tensor) -> Tensor:
         ggml.ggml_build_forward_expand(self.graph, t)
+        return t
+
+    def input(self, qtype: QType, shape: Sequence[int]) -> Tensor:
+        """A tensor the caller writes before each replay (`view_of`, once allocated)."""
+        t = _new(self._ctx, qtype, shape)  # type: ignore[arg-type]
+        ggml.ggml_set_input(t)
+        return t
+
+    def output(self, t: Tensor) -> Tensor:
+        """Mark `t` an output: its memory is not reused within the graph (`view_of` reads it)."""
+        ggml.ggml_set_output(t)
         return t
 
     # the ops (ggml's own; shapes in ggml order, innermost first)
@@ -148,20 +224,27 @@ class Graph:
     def swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
         return self._op(ggml.ggml_swiglu_split(self._ctx, gate, up))
 
-    def soft_max(self, a: Tensor, scale: float) -> Tensor:
-        return self._op(ggml.ggml_soft_max_ext(self._ctx, a, None, scale, 0.0))
+    def soft_max(self, a: Tensor, mask: Tensor, scale: float) -> Tensor:
+        return self._op(ggml.ggml_soft_max_ext(self._ctx, a, mask, scale, 0.0))
 
     def rope_neox(self, a: Tensor, positions: Tensor, theta: float) -> Tensor:
         """Rotary embedding over all of dim 0 (rotate-half pairs), no scaling."""
-        n_dims = GGMLTensor.from_address(a).ne[0]
+        n_dims = dims(a)[0]
         return self._op(
             ggml.ggml_rope_ext(
                 self._ctx, a, positions, None, n_dims, GGML_ROPE_TYPE_NEOX, 0, theta, 1.0, 0.0, 1.0, 32.0, 1.0
             )
         )
 
-    def cpy(self, a: Tensor, dst: Tensor) -> Tensor:
-        return self._op(ggml.ggml_cpy(self._ctx, a, dst))
+    def set_rows(self, dst: Tensor, rows: Tensor, index: Tensor) -> Tensor:
+        """Rows of `rows` written into `dst` at the rows `index` (I64) names."""
+        return self._op(ggml.ggml_set_rows(self._ctx, dst, rows, index))
+
+    def cont(self, a: Tensor) -> Tensor:
+        return self._op(ggml.ggml_cont(self._ctx, a))
+
+    def permute(self, a: Tensor, *axes: int) -> Tensor:
+        return self._op(ggml.ggml_permute(self._ctx, a, *axes))
 
     def reshape(self, a: Tensor, *ne: int) -> Tensor:
         return self._op(getattr(ggml, f"ggml_reshape_{len(ne)}d")(self._ctx, a, *ne))
@@ -174,24 +257,18 @@ class Graph:
 
     def matrix(self, a: Tensor, index: int) -> Tensor:
         """Matrix `index` of a 3-D tensor (a view)."""
-        ne, strides = GGMLTensor.from_address(a).ne, nb(a)
-        return self.view(a, (ne[0], ne[1]), (strides[1],), index * strides[2])
-
-    def output(self, t: Tensor) -> Tensor:
-        """Mark `t` an output: its memory is not reused within the graph (read it through
-        `f32_view` once the graph is allocated)."""
-        ggml.ggml_set_output(t)
-        return t
+        ne, nb = dims(a), strides(a)
+        return self.view(a, (ne[0], ne[1]), (nb[1],), index * nb[2])
 
     def allocate(self) -> None:
-        """Give the intermediate tensors memory (once: a replay reuses it)."""
+        """Give the inputs and intermediate tensors memory (once: a replay reuses it)."""
         self._alloc = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
         if not self._alloc or not ggml.ggml_gallocr_alloc_graph(self._alloc, self.graph):
             raise MemoryError("ggml could not allocate a graph")
 
     def compute(self, threads: int) -> None:
         """Run the graph on `threads` threads (ggml's OpenMP pool; the GIL is released)."""
-        plan: GGMLCPlan | None = self._plans.get(threads)
+        plan = self._plans.get(threads)
         if plan is None:
             plan = ggml.ggml_graph_plan(self.graph, threads, None)
             if plan.work_size > self._work.nbytes:
@@ -211,19 +288,3 @@ class Graph:
             self._ctx = None
 
     __del__ = close
-
-
-def nb(t: Tensor) -> tuple[int, ...]:
-    """A tensor's byte strides (ggml order)."""
-    return tuple(GGMLTensor.from_address(t).nb)
-
-
-def f32_view(t: Tensor, shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 numpy view of an allocated tensor (numpy axis order)."""
-    return _array(t, np.float32, shape)
-
-
-def type_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of `qtype` and numpy `shape`."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * size)

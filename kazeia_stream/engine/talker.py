@@ -1,18 +1,36 @@
-"""The talker: a Qwen3 LM on libllama emitting codebook 0 of one frame per step."""
+"""The talker: a Qwen3 LM emitting codebook 0 of one frame per step.
+
+It is a `Qwen3LM` on the talker file's weights, used in place in the file's mapping (the text
+embedding is never read there: we feed embeddings, and read a text's rows from the prompt). The
+qwen3tts architecture uses 4-component M-RoPE; TTS gives the components equal positions, which
+makes it plain NeoX RoPE, as the graphs apply it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import llama_cpp
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 
+from ..model import gguf_layout as L
 from ..model.config import TalkerConfig
-from .llm import EmbeddingLM, LMOptions
+from ..model.gguf_file import GGUFFile
+from .ggml_graph import Weights
+from .qwen3 import Qwen3LM, weight_names
 from .threads import SharedCores
 
-# The qwen3tts architecture uses 4-component M-RoPE; with equal components it is plain RoPE.
-POSITIONS_PER_TOKEN = 4
+# positions per slot: 164 s of frames, and long texts are split into segments that fit
+N_CTX = 2048
+# a step attends over its slot's positions rounded up to this: one graph per 5 s of frames
+ATTENTION_BUCKET = 64
+
+
+def kv_f32_for(weights: QType) -> bool:
+    """The KV cache type that goes with the weights: F32 beside F32 weights (hidden states
+    within ~1e-6 of a float32 reference), else F16, llama.cpp's default: half the memory, and
+    its rounding is far below that of F16 or quantized weights."""
+    return weights == QType.F32
 
 
 @dataclass
@@ -24,21 +42,39 @@ class TalkerState:
 
 
 class Talker:
-    """Prefill, then one step per frame, for up to `options.n_seq` utterances at once, each in
-    its own sequence of the context (a slot). A slot keeps the KV cache of the leading rows that
-    every utterance of a session shares (instruction, role, voice) after its utterance ends, so
-    that the next utterance with the same rows in that slot only computes the rows after them."""
+    """Prefill, then one step per frame, for up to `slots` utterances at once, each in its own
+    slot of the KV cache. A slot keeps the KV cache of the leading rows that every utterance of
+    a session shares (instruction, role, voice) after its utterance ends, so that the next
+    utterance with the same rows in that slot only computes the rows after them."""
 
     def __init__(
         self,
-        model: llama_cpp.llama_model_p,
+        f: GGUFFile,
         cfg: TalkerConfig,
-        options: LMOptions,
+        threads: int,
+        slots: int = 1,
+        n_ctx: int = N_CTX,
         cores: SharedCores | None = None,
     ) -> None:
-        self.lm = EmbeddingLM(model, cfg, cfg.codec_vocab_size, POSITIONS_PER_TOKEN, options, cores)
-        self.n_ctx, self.n_seq = options.n_ctx, options.n_seq
-        self._fixed: list[np.ndarray | None] = [None] * self.n_seq  # each slot's kept rows
+        names = weight_names(L.TALKER_LAYER, cfg.num_layers)
+        self.weights = Weights(f, {**names, "output_norm": L.TALKER_OUTPUT_NORM, "output": L.TALKER_OUTPUT})
+        self.lm = Qwen3LM(
+            self.weights,
+            cfg,
+            input_width=cfg.hidden_size,
+            slots=slots,
+            n_ctx=n_ctx,
+            kv_f32=kv_f32_for(f.tensor_type(L.TALKER_FFN_UP.format(bid=0))),
+            threads=threads,
+            cores=cores,
+            bucket=ATTENTION_BUCKET,
+        )
+        self.n_ctx, self.n_seq = n_ctx, slots
+        self._fixed: list[np.ndarray | None] = [None] * slots  # each slot's kept rows
+
+    def close(self) -> None:
+        self.lm.close()
+        self.weights.close()
 
     def slot_for(self, fixed: np.ndarray, free: list[int]) -> int:
         """Of the `free` slots, one that keeps the rows `fixed` if any, else the first."""
@@ -58,11 +94,8 @@ class Talker:
         way the arithmetic is the same, so results do not depend on what ran before."""
         fixed = embeds[:n_fixed]
         pieces = []
-        if self.holds(state.seq, fixed):
-            self.lm.keep(n_fixed, state.seq)
-        else:
+        if not self.holds(state.seq, fixed):
             self._fixed[state.seq] = None
-            self.lm.keep(0, state.seq)
             if n_fixed:
                 pieces.append((0, fixed))
                 self._fixed[state.seq] = fixed.copy()
@@ -77,13 +110,13 @@ class Talker:
         last row."""
         out = None
         for pos, rows in self.begin(state, embeds, n_fixed):
-            out = self.lm.forward(rows, pos, seq=state.seq)
+            out = self.lm.forward(rows, pos, slot=state.seq)
         assert out is not None
         return out
 
     def step(self, state: TalkerState, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed one input embedding [H]; returns the next (hidden, logits)."""
-        out = self.lm.forward(embed[None], state.pos, seq=state.seq)
+        out = self.lm.forward(embed[None], state.pos, slot=state.seq)
         state.pos += 1
         return out
 

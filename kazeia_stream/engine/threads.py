@@ -1,5 +1,5 @@
 """CPU threads: how many each engine uses (one type, one place for the defaults), and the
-cores libllama's calls lend to the codec decoder running beside them."""
+cores the ggml graphs' calls lend to the codec decoder running beside them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 
 # The codec decoder's GEMMs are many and small: OpenBLAS threads spinning after each one take
-# the core that libllama's threads need beside it (a second BLAS thread made the next talker
+# the core that ggml's threads need beside it (a second BLAS thread made the next talker
 # step ~2x slower), so it runs on one core, except for the first frame's decode, which runs
 # alone on every core.
 DECODER_THREADS = 1
@@ -61,7 +61,8 @@ class Threads:
 
 
 class SharedCores:
-    """The cores that libllama's calls share with the codec decoder running beside them.
+    """The cores that the ggml graphs' calls (talker, code predictor) share with the codec
+    decoder running beside them.
 
     ggml's threads meet at a barrier after every operation, so one thread waiting for a core
     that the decoder holds stalls all the others; while the decoder works, each call runs with
@@ -78,7 +79,7 @@ class SharedCores:
 
     @contextmanager
     def lend(self, n: int) -> Iterator[None]:
-        """Take `n` cores away from libllama's calls while the block runs."""
+        """Take `n` cores away from the graphs' calls while the block runs."""
         self.lent += n
         try:
             yield

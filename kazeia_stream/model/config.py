@@ -56,6 +56,29 @@ class LMConfig:
     rope_theta: float
 
 
+def layer_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
+    """The shape (numpy order: [out, in]) of each weight of a layer, by role."""
+    h, i, q, kv = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    )
+    return {
+        "attn_norm": (h,),
+        "q": (q, h),
+        "k": (kv, h),
+        "v": (kv, h),
+        "o": (h, q),
+        "q_norm": (cfg.head_dim,),
+        "k_norm": (cfg.head_dim,),
+        "ffn_norm": (h,),
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+    }
+
+
 @dataclass(frozen=True)
 class TalkerConfig(LMConfig):
     text_vocab_size: int
@@ -154,6 +177,27 @@ def read_config(
         raise ModelFileError(f"{talker.path}: unknown model type {kind!r}")
 
     tcfg = _talker_config(talker, len(codec_token_names))
+    cp_cfg = _code_predictor_config(mmproj)
+    _check_tensors(
+        talker,
+        "talker",
+        tcfg,
+        L.TALKER_LAYER,
+        {
+            L.TALKER_OUTPUT_NORM: (tcfg.hidden_size,),
+            L.TALKER_OUTPUT: (tcfg.codec_vocab_size, tcfg.hidden_size),
+        },
+    )
+    _check_tensors(
+        mmproj,
+        "code predictor",
+        cp_cfg,
+        L.CP_LAYER,
+        {
+            L.CP_OUTPUT_NORM: (cp_cfg.hidden_size,),
+            L.CP_HEAD: (cp_cfg.num_code_groups - 1, cp_cfg.vocab_size, cp_cfg.hidden_size),
+        },
+    )
     size = talker.get(L.KEY_TTS_MODEL_SIZE) or ("0b6" if tcfg.hidden_size <= 1024 else "1b7")
     generation = _generation_config(talker)
     codec_ids = CodecIds(
@@ -169,7 +213,7 @@ def read_config(
         kind=kind,
         size=size,
         talker=tcfg,
-        code_predictor=_code_predictor_config(mmproj),
+        code_predictor=cp_cfg,
         codec=_codec_config(mmproj),
         text_ids=TextIds(
             im_start=text_token_id("<|im_start|>"),
@@ -187,6 +231,24 @@ def read_config(
         suppress_codes=_suppressed(talker, tcfg, codec_ids.eos),
         codec_tokens=tokens,
     )
+
+
+def _check_tensors(
+    f: GGUFFile, what: str, cfg: LMConfig, layer: dict[str, str], others: dict[str, tuple[int, ...]]
+) -> None:
+    """Every weight of a Qwen3 stack is in the file with the shape its config gives (the
+    engines build their graphs from these shapes)."""
+    shapes = layer_shapes(cfg)
+    expected = {
+        pattern.format(bid=bid): shapes[role]
+        for bid in range(cfg.num_layers)
+        for role, pattern in layer.items()
+    }
+    for name, shape in {**expected, **others}.items():
+        if not f.has_tensor(name):
+            raise ModelFileError(f"{f.path}: {what} tensor {name!r} is missing")
+        if f.tensor_shape(name) != shape:
+            raise ModelFileError(f"{f.path}: {what} tensor {name!r} is {f.tensor_shape(name)}, not {shape}")
 
 
 def _generation_config(talker: GGUFFile) -> GenerationConfig:

@@ -181,6 +181,11 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[qtype]
         return np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * type_size)
 
+    @cached_property
+    def mapping(self) -> np.ndarray:
+        """The whole file, memory-mapped read-only (bytes); `span` says where a tensor lies."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r")
+
     def raw(self, name: str) -> np.ndarray:
         """The stored data, memory-mapped (a mapping of its own, gone with the array)."""
         dtype, shape = self._layout(name)

@@ -138,6 +138,20 @@ TALKER_FFN_NORM = "blk.{bid}.ffn_norm.weight"
 TALKER_FFN_GATE = "blk.{bid}.ffn_gate.weight"
 TALKER_FFN_UP = "blk.{bid}.ffn_up.weight"
 TALKER_FFN_DOWN = "blk.{bid}.ffn_down.weight"
+# a talker layer's tensors by role (the roles of model.config.layer_shapes)
+TALKER_LAYER = {
+    "attn_norm": TALKER_ATTN_NORM,
+    "q": TALKER_ATTN_Q,
+    "k": TALKER_ATTN_K,
+    "v": TALKER_ATTN_V,
+    "o": TALKER_ATTN_OUT,
+    "q_norm": TALKER_ATTN_Q_NORM,
+    "k_norm": TALKER_ATTN_K_NORM,
+    "ffn_norm": TALKER_FFN_NORM,
+    "gate": TALKER_FFN_GATE,
+    "up": TALKER_FFN_UP,
+    "down": TALKER_FFN_DOWN,
+}
 
 # --- mmproj: code predictor ---
 CP_PROJ_IN = "a.gen.code.proj_in"  # small_to_mtp_projection, 1.7B only
@@ -156,6 +170,19 @@ CP_FFN_NORM = "a.gen.code.blk.{bid}.ln2.weight"
 CP_FFN_GATE = "a.gen.code.blk.{bid}.ffn_gate.weight"
 CP_FFN_UP = "a.gen.code.blk.{bid}.ffn_up.weight"
 CP_FFN_DOWN = "a.gen.code.blk.{bid}.ffn_down.weight"
+CP_LAYER = {
+    "attn_norm": CP_ATTN_NORM,
+    "q": CP_ATTN_Q,
+    "k": CP_ATTN_K,
+    "v": CP_ATTN_V,
+    "o": CP_ATTN_OUT,
+    "q_norm": CP_ATTN_Q_NORM,
+    "k_norm": CP_ATTN_K_NORM,
+    "ffn_norm": CP_FFN_NORM,
+    "gate": CP_FFN_GATE,
+    "up": CP_FFN_UP,
+    "down": CP_FFN_DOWN,
+}
 
 # --- mmproj: codec decoder ("code2wav") ---
 WAV_QUANT_FIRST_IN = "a.gen.wav.quant.first.in_proj.weight"  # 1x1 conv kernels stored 2D

@@ -1,4 +1,4 @@
-"""libllama: loading the talker GGUF, with llama.cpp's log routed to Python logging."""
+"""libllama: the talker file's vocabulary, with llama.cpp's log routed to Python logging."""
 
 from __future__ import annotations
 
@@ -41,38 +41,15 @@ def init_backend() -> None:
         _initialised = True
 
 
-MADV_DONTNEED = 4  # Linux
-
-
-def release_pages(path: Path, offset: int, size: int) -> None:
-    """Drop this process's resident pages of bytes [offset, offset + size) of `path`, in every
-    read-only mapping of it (/proc/self/maps; elsewhere nothing happens). They come back from
-    the page cache if touched again. libllama maps its model file populated, whole."""
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    target = os.path.realpath(path)
-    for line in maps:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or fields[5] != target or "w" in fields[1]:
-            continue
-        start, end = (int(a, 16) for a in fields[0].split("-"))
-        first = start + offset - int(fields[2], 16)  # the address of `offset` in this mapping
-        lo, hi = max(start, -(-first // page) * page), min(end, (first + size) // page * page)
-        if lo < hi:
-            libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
-
-
-class LlamaModel:
-    """A libllama model (weights memory-mapped) and its vocabulary."""
+class LlamaVocab:
+    """libllama's tokenizer of a talker file: the model loaded with its vocabulary only (no
+    weights: the talker runs on graphs of our own)."""
 
     def __init__(self, path: Path) -> None:
         init_backend()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.vocab_only = True
         self.path = path
         self.ptr = llama_cpp.llama_model_load_from_file(os.fsencode(path), params)
         if not self.ptr:

@@ -15,7 +15,7 @@ from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
-from .llama import LlamaModel, init_backend, release_pages
+from .llama import LlamaVocab, init_backend
 from .prompt import (
     ASSISTANT,
     ASSISTANT_TAIL,
@@ -93,11 +93,11 @@ class Model:
         _check_architecture(self.talker_file, self.mmproj_file)
         _check_pair(self.talker_file, self.mmproj_file)
         _check_checkpoint(self.talker_file, self.mmproj_file)
-        # libllama loads the talker (its vocabulary alone takes ~0.25 s) while what follows
-        # runs, a Runtime's other engines included; a failure raises where it is first used
+        # libllama loads the talker's vocabulary (~0.25 s) while what follows runs, a
+        # Runtime's engines included; a failure raises where it is first used
         init_backend()
         pool = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
-        self._llama = pool.submit(_load_talker, talker_path, self.talker_file.span(L.TALKER_TOKEN_EMBD))
+        self._llama = pool.submit(LlamaVocab, talker_path)
         pool.shutdown(wait=False)  # the thread ends with the load
         codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
         n_tokens = len(self.talker_file.require(L.KEY_TOKEN_TYPES))
@@ -116,18 +116,13 @@ class Model:
         )
 
     def ready(self) -> None:
-        """Wait for libllama's load of the talker, begun when the model was made: raises its
-        `ModelFileError` if libllama refused the file."""
+        """Wait for libllama's load of the talker's vocabulary, begun when the model was made:
+        raises its `ModelFileError` if libllama refused the file."""
         self._llama.result()
 
     @cached_property
-    def llama_model(self) -> LlamaModel:
-        """The talker in libllama (see `ready`)."""
-        return self._llama.result()
-
-    @cached_property
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer(self.llama_model.vocab)
+        return Tokenizer(self._llama.result().vocab)
 
     @cached_property
     def pad_embedding(self) -> np.ndarray:
@@ -406,16 +401,8 @@ def _check_pair(talker: GGUFFile, mmproj: GGUFFile) -> None:
         )
 
 
-def _load_talker(path: Path, embd: tuple[int, int]) -> LlamaModel:
-    model = LlamaModel(path)
-    # libllama never reads the text embedding (we feed it embeddings, and read the rows a text
-    # needs from our own mapping): 27% of a 0.6B Q8_0 talker file off the RSS
-    release_pages(path, *embd)
-    return model
-
-
 def load_model(path: str | os.PathLike[str]) -> Model:
     """Load a model from a folder holding the GGUF pair, or from the talker file. The files
-    are checked here; libllama's load of the talker goes on in the background, so that a
-    `Runtime` made next overlaps its own loading with it (`Model.ready` waits for it)."""
+    are checked here; libllama's load of the talker's vocabulary goes on in the background, so
+    that a `Runtime` made next overlaps its own loading with it (`Model.ready` waits for it)."""
     return Model(*find_pair(path))

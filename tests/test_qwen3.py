@@ -1,0 +1,92 @@
+"""The Qwen3 stack on graphs of our own: its KV cache, its graphs and what they must not change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kazeia_stream
+from kazeia_stream.engine.talker import Talker, TalkerState
+
+MB = 1 << 20
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf):
+    return kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
+
+
+def rows(model, n: int, seed: int = 0) -> np.ndarray:
+    width = model.config.talker.hidden_size
+    return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
+
+
+def test_a_kv_cache_is_resident_only_where_it_is_written(model):
+    n_ctx = 65536
+    cfg = model.config.talker
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * n_ctx * 4  # F32: F32 weights
+    assert kv_bytes >= 32 * MB
+    before = rss_anon()
+    talker = Talker(model.talker_file, cfg, 1, n_ctx=n_ctx)
+    hidden, _ = talker.prefill(TalkerState(), rows(model, 5))
+    assert rss_anon() - before < kv_bytes / 4
+    # nothing was cleared or filled: a prefill gives the hidden state of a small cache
+    expected, _ = Talker(model.talker_file, cfg, 1, n_ctx=64).prefill(TalkerState(), rows(model, 5))
+    assert np.array_equal(hidden, expected)
+
+
+def test_steps_within_a_span_bucket_replay_one_graph(model):
+    talker = Talker(model.talker_file, model.config.talker, 1)
+    state = TalkerState()
+    talker.prefill(state, rows(model, 3))
+    built = len(talker.lm._graphs)
+    bucket = talker.lm.bucket
+    while state.pos < bucket:  # every step attends over the first bucket's positions
+        talker.step(state, rows(model, 1, state.pos)[0])
+    assert len(talker.lm._graphs) == built + 1
+    talker.step(state, rows(model, 1, 99)[0])  # the next bucket: one graph more
+    assert len(talker.lm._graphs) == built + 2
+
+
+def test_the_span_does_not_change_the_results_beyond_rounding(model):
+    """A step attends over its slot's positions rounded up to a bucket, the later ones masked:
+    any bucket gives the same hidden states and logits, to the sum's rounding."""
+    cfg = model.config.talker
+    outs = []
+    for bucket in (1, 8, 64):
+        talker = Talker(model.talker_file, cfg, 1)
+        talker.lm.bucket = bucket
+        state = TalkerState()
+        talker.prefill(state, rows(model, 5))
+        outs.append([talker.step(state, row) for row in rows(model, 12, 1)])
+    for other in outs[1:]:
+        for (h0, l0), (h1, l1) in zip(outs[0], other):
+            assert np.abs(h1 - h0).max() <= 1e-5 * np.abs(h0).max()
+            assert np.abs(l1 - l0).max() <= 1e-5 * np.abs(l0).max()
+
+
+def test_a_reused_slot_ignores_the_cells_a_longer_utterance_left(model):
+    talker = Talker(model.talker_file, model.config.talker, 1)
+    talker.prefill(TalkerState(), rows(model, 40, seed=5))  # leaves 40 cells behind
+    state = TalkerState()
+    again = talker.prefill(state, rows(model, 7))
+    fresh = Talker(model.talker_file, model.config.talker, 1).prefill(TalkerState(), rows(model, 7))
+    assert all(np.array_equal(a, b) for a, b in zip(again, fresh))
+
+
+def test_a_prefill_longer_than_a_graph_runs_in_parts(model, monkeypatch):
+    from kazeia_stream.engine import qwen3
+
+    whole = Talker(model.talker_file, model.config.talker, 1).prefill(TalkerState(), rows(model, 30))
+    monkeypatch.setattr(qwen3, "MAX_PART", 8)
+    talker = Talker(model.talker_file, model.config.talker, 1)
+    parts = talker.prefill(TalkerState(), rows(model, 30))
+    assert {layout[0][1] for layout, _ in talker.lm._graphs} == {8, 6}  # rows of the one part
+    for a, b in zip(whole, parts):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
