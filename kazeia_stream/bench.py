@@ -96,7 +96,7 @@ def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
             "macs": (cp.n_groups + 1) * cp.params_per_pass,
         },
         "decoder": {
-            "bytes": sum(w.nbytes for w, _ in runtime.codec.products()),
+            "bytes": sum(m.array.nbytes for m, _ in runtime.codec.products()),
             "macs": runtime.codec.macs_per_frame,
         },
     }

@@ -118,21 +118,25 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
 
     from kazeia_stream.engine import codec
 
-    seen = []
-    matmul = codec._matmul
+    seen, ggml = [], []
+    matmul, compute = codec._matmul, codec.Graph.compute
 
     def spy(*args, **kwargs):
         seen.append({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"})
         return matmul(*args, **kwargs)
 
     monkeypatch.setattr(codec, "_matmul", spy)
+    monkeypatch.setattr(codec.Graph, "compute", lambda graph, n: ggml.append(n) or compute(graph, n))
     with threadpool_limits(limits=2, user_api="blas"):
         state = decoder.new_state()
         decoder.push(state, reference["codes"][:2])
         assert seen and all(s == {1} for s in seen)  # whatever numpy's own setting
+        assert ggml and set(ggml) == {1}  # the products of few columns
         seen.clear()
+        ggml.clear()
         decoder.push(state, reference["codes"][2:4], threads=2)
         assert seen and all(s == {2} for s in seen)
+        assert ggml and set(ggml) == {2}
         assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {2}
 
 
@@ -154,13 +158,13 @@ def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkey
     from kazeia_stream.engine import codec
 
     counted = []
-    matmul = codec._matmul
+    product = codec.Matrix.__call__
 
-    def counting(w, x, out=None):
-        counted.append(w.shape[0] * w.shape[1] * x.shape[1])
-        return matmul(w, x, out)
+    def counting(m, x, out=None):
+        counted.append(m.array.shape[0] * m.array.shape[1] * x.shape[1])
+        return product(m, x, out)
 
-    monkeypatch.setattr(codec, "_matmul", counting)
+    monkeypatch.setattr(codec.Matrix, "__call__", counting)
     decoder.decode(reference["codes"][:frames])
     assert sum(counted) == decoder.macs_per_frame * frames
     if frames == 1:  # one product per weight

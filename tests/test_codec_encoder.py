@@ -55,7 +55,7 @@ def ties_only(enc: CodecEncoder, wav: np.ndarray, expected: np.ndarray) -> int:
     emb = enc.embeddings(wav).astype(np.float64)
     ties, first = 0, 0
     for rvq in (enc.semantic, enc.acoustic):
-        r = emb if rvq.proj is None else rvq.proj.w.astype(np.float64) @ emb
+        r = emb if rvq.proj is None else rvq.proj.w.array.astype(np.float64) @ emb
         for i, cb in enumerate(rvq.codebooks.astype(np.float64)):
             want = expected[:, first + i]
             dist = ((r.T[:, None, :] - cb[None]) ** 2).sum(-1)  # [frames, size]

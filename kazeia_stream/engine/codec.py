@@ -20,14 +20,15 @@ convolutions trim (k - s) samples on the right only, the sliding window lets a q
 keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
 Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
-a few sgemms W @ X on numpy's BLAS (weights on the left is the fast orientation for the few
-time columns of the early stages); a convolution tap is a shifted column view of the layer's
+a few products W @ X (`Matrix`): on ggml's kernels for few columns (the early stages: they read
+the weights in place, where OpenBLAS first packs them), on numpy's BLAS for many (weights on
+the left is the fast orientation); a convolution tap is a shifted column view of the layer's
 context buffer, which the producer writes into directly. Several streams' activations are
 [channels, time * streams], stream index fastest, so that a tap stays one column view and
 each multiplication reads its weights once for all the streams: the layers whose weights are
 large and columns few (up to the first decoder block) run so, on the streams' states stacked
-for the call; the later blocks run per stream. Each push sets its own BLAS thread count
-(threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small, and
+for the call; the later blocks run per stream. Each push sets its own thread count for
+both kinds of product (threadpoolctl for BLAS; one by default, whatever numpy's setting): the GEMMs are many and small, and
 OpenBLAS' threads spin after each one, taking the core that ggml's threads need (a second
 BLAS thread made the talker's next step ~2x slower, and synthesis of the tiny test models
 30-80x). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
@@ -41,15 +42,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
+from .ggml_graph import ArrayTensor, Graph, view_of
 from .threads import DECODER_THREADS
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
@@ -76,6 +80,14 @@ JOINT_BLOCKS = 1
 SMALL_GEMM_MNK = 100**3
 SMALL_GEMM_MAX_COLUMNS = 32
 SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
+# A product of at most this many columns runs on ggml's matrix kernels (`Matrix`), a wider one
+# on numpy's BLAS. OpenBLAS packs the weights before multiplying, at every call; with few
+# columns (the layers up to the first decoder block: 0.33 of the 0.42 GB of weights a frame
+# reads) that copy was most of a product's cost, while ggml's kernels read the weights in
+# place. One core, OpenBLAS' Haswell kernels, per shape: 12288x1536 by 4 columns 12.5 -> 4.7 ms,
+# the first block's 24 taps 768x768 by 32 columns 13.5 -> 10.9 ms, 384x384 by 160 even,
+# 192x192 by 640 11.2 -> 13.9 ms.
+GGML_COLUMNS = 64
 
 F32 = np.float32
 
@@ -145,6 +157,52 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
     return out
 
 
+@dataclass
+class Kernels:
+    """The threads of a decoder's products on ggml's kernels (set per push, as its BLAS
+    threads are)."""
+
+    threads: int = DECODER_THREADS
+
+
+class Matrix:
+    """A weight W [out, in] (float32) and W @ X on the kernels that suit X's column count:
+    numpy's BLAS, or ggml's (`GGML_COLUMNS`, once `kernels` is set), which read W in place."""
+
+    def __init__(self, w: np.ndarray) -> None:
+        self.array = np.ascontiguousarray(w, dtype=F32)
+        self.kernels: Kernels | None = None
+        self._tensor: ArrayTensor | None = None
+        self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """W @ x for x [in, n] (a column view of a buffer will do)."""
+        n = x.shape[1]
+        if self.kernels is None or n > GGML_COLUMNS:
+            return _matmul(self.array, x, out)
+        graph, columns, result = self._graph(n)
+        np.copyto(columns, x.T)
+        graph.compute(self.kernels.threads)
+        if out is None:
+            return np.ascontiguousarray(result.T)
+        np.copyto(out, result.T)
+        return out
+
+    def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
+        """The product's graph for n columns: one mul_mat, its input [n, in] and output [n, out]
+        (ggml's column-major orientation) as numpy views."""
+        if n not in self._graphs:
+            if self._tensor is None:
+                self._tensor = ArrayTensor(self.array)
+            m, k = self.array.shape
+            g = Graph(4)
+            x = g.input(QType.F32, (n, k))
+            y = g.output(g.mul_mat(self._tensor.tensor, x))
+            g.allocate()
+            self._graphs[n] = (g, view_of(x, QType.F32, (n, k)), view_of(y, QType.F32, (n, m)))
+        return self._graphs[n]
+
+
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the channels of [C, n]; weight [C, 1]."""
     var = np.einsum("ij,ij->j", x, x) / F32(x.shape[0])
@@ -169,11 +227,11 @@ class Linear:
     """y = W x + b on [C_in, n]; W [C_out, C_in]."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
-        self.w = np.ascontiguousarray(weight, dtype=F32)
+        self.w = Matrix(weight)
         self.b = None if bias is None else bias.astype(F32)[:, None]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = _matmul(self.w, x)
+        y = self.w(x)
         if self.b is not None:
             y += self.b
         return y
@@ -232,7 +290,7 @@ class CausalConv:
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
         _, c_in, k = weight.shape
         self.k, self.dilation = k, dilation
-        self.taps = np.ascontiguousarray(weight.transpose(2, 0, 1), dtype=F32)  # [k, C_out, C_in]
+        self.taps = [Matrix(tap) for tap in weight.transpose(2, 0, 1)]  # k of [C_out, C_in]
         self.bias = bias.astype(F32)[:, None]
         self.context, self.c_in = (k - 1) * dilation, c_in
 
@@ -242,11 +300,11 @@ class CausalConv:
     def run(self, state: ContextBuffer, n: int) -> np.ndarray:
         """The output for the n columns written into `state.input(n)`."""
         buf, d = state.buf, self.dilation * state.streams
-        y = _matmul(self.taps[0], buf[:, 0:n])
+        y = self.taps[0](buf[:, 0:n])
         if self.k > 1:
             t = np.empty_like(y)
             for j in range(1, self.k):
-                _matmul(self.taps[j], buf[:, j * d : j * d + n], out=t)
+                self.taps[j](buf[:, j * d : j * d + n], out=t)
                 y += t
         y += self.bias
         state.advance(n)
@@ -298,7 +356,7 @@ class CausalTransConv:
             raise ValueError(f"transposed conv kernel {k} with stride {stride} is not supported")
         self.k, self.s, self.c_out = k, stride, c_out
         # a copy: the transposed view as the left operand measured ~15% slower per frame
-        self.w = _transposed(weight.reshape(c_in, c_out * k))
+        self.w = Matrix(_transposed(weight.reshape(c_in, c_out * k)))
         self.bias = bias.astype(F32)[:, None, None]
 
     def new_state(self) -> np.ndarray:
@@ -307,7 +365,7 @@ class CausalTransConv:
     def __call__(self, tail: np.ndarray, x: np.ndarray) -> np.ndarray:
         k, s, streams = self.k, self.s, tail.shape[2]
         n = x.shape[1] // streams
-        z = _matmul(self.w, x).reshape(self.c_out, k, n, streams)
+        z = self.w(x).reshape(self.c_out, k, n, streams)
         y = np.empty((self.c_out, n, s, streams), F32)
         for m in range(s):  # one phase at a time: numpy would loop over the short m axis innermost
             ym = y[:, :, m]  # output time steps t * s + m
@@ -681,6 +739,9 @@ class CodecDecoder:
         self.blocks = [DecoderBlock(f, bid) for bid in range(_count(f, L.WAV_DAC_UP_CONV))]
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
+        self.kernels = Kernels(threads)
+        for matrix, _ in self.products():
+            matrix.kernels = self.kernels
         self.num_groups = self.quantizer.num_groups
         self.samples_per_frame = int(
             np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
@@ -727,7 +788,7 @@ class CodecDecoder:
         joint = np.stack(frames, axis=1).reshape(n * count, self.num_groups)  # stream index fastest
         streams = _Streams.stack(states)
         done = [0] * count
-        with self._blas.limit(limits=threads or self.threads):
+        with self._threads(threads):
             for i in range(0, n, MAX_FRAMES_PER_PASS):
                 h = self.quantizer(joint[i * count : (i + MAX_FRAMES_PER_PASS) * count])
                 h = self.transformer(
@@ -751,10 +812,22 @@ class CodecDecoder:
         the convolutions after it hold finite contexts, which depend on the last
         `lookback_frames` frames only, so only those run through them."""
         codes = np.asarray(codes, dtype=np.int64)
-        with self._blas.limit(limits=threads or self.threads):
+        with self._threads(threads):
             h = self.transformer([state.transformer], self.pre_conv(state.pre_conv, self.quantizer(codes)))
             for _ in self._render(_Streams.stack([state]), h[:, -self.lookback_frames :]):
                 pass
+
+    @contextmanager
+    def _threads(self, threads: int | None) -> Iterator[None]:
+        """The products of the block run on `threads` threads (default: the decoder's), BLAS
+        and ggml's alike."""
+        n = threads or self.threads
+        with self._blas.limit(limits=n):
+            self.kernels.threads = n
+            try:
+                yield
+            finally:
+                self.kernels.threads = self.threads
 
     def _check(self, codes: np.ndarray) -> np.ndarray:
         """One stream's codes [n, groups] as int64, checked."""
@@ -783,17 +856,17 @@ class CodecDecoder:
         frames += self.post_conv.context / rate
         return math.ceil(frames)
 
-    def products(self) -> Iterator[tuple[np.ndarray, int]]:
-        """Every matrix product of a frame's decode, in order: (weight [out, in], its columns
-        per frame). Depthwise convolutions, attention and activations are left out: they are
-        well under 1% of the multiply-adds."""
+    def products(self) -> Iterator[tuple[Matrix, int]]:
+        """Every matrix product of a frame's decode, in order: (its weight, its columns per
+        frame). Depthwise convolutions, attention and activations are left out: they are well
+        under 1% of the multiply-adds."""
         q, tfm = self.quantizer, self.transformer
         yield q.first_out.w, 1
         yield q.rest_out.w, 1
         yield from ((tap, 1) for tap in self.pre_conv.taps)
         yield tfm.in_proj.w, 1
         for layer in tfm.layers:
-            yield from ((w, 1) for w in (layer.qkv.w, layer.out.w, layer.gate_up.w, layer.down.w))
+            yield from ((m.w, 1) for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
         yield tfm.out_proj.w, 1
         rate = 1  # columns per frame at the current layer's input
         for up, convnext in self.upsample:
@@ -812,7 +885,7 @@ class CodecDecoder:
     @cached_property
     def macs_per_frame(self) -> int:
         """Multiply-adds of the matrix products per frame (`products`)."""
-        return sum(w.size * columns for w, columns in self.products())
+        return sum(m.array.size * columns for m, columns in self.products())
 
     def products_time(self, frames: int = 1, repeat: int = 3) -> float:
         """Seconds per frame that the matrix products alone take at `frames` frames per push,
@@ -820,16 +893,16 @@ class CodecDecoder:
         the decoder's threads: the floor its multiply-adds set. Best of `repeat`."""
         rng = np.random.default_rng(0)
         total = 0.0
-        with self._blas.limit(limits=self.threads):
-            for w, columns in self.products():
+        with self._threads(None):
+            for m, columns in self.products():
                 n = columns * frames
-                piece = min(n, max(1, PIECE_ELEMENTS // w.shape[0]))
-                x = rng.standard_normal((w.shape[1], piece), dtype=F32)
+                piece = min(n, max(1, PIECE_ELEMENTS // m.array.shape[0]))
+                x = rng.standard_normal((m.array.shape[1], piece), dtype=F32)
                 best = math.inf
                 for _ in range(repeat):
                     start = time.perf_counter()
                     for _ in range(n // piece):
-                        _matmul(w, x)
+                        m(x)
                     best = min(best, time.perf_counter() - start)
                 total += best * n / (n // piece * piece)
         return total / frames

@@ -96,6 +96,18 @@ class _Tensors:
     __del__ = close
 
 
+class ArrayTensor(_Tensors):
+    """A ggml tensor over a float32 numpy array (C order) in place, which the caller keeps."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        if array.dtype != np.float32 or not array.flags.c_contiguous:
+            raise ValueError("a float32 array in C order is needed")
+        start = array.ctypes.data
+        base = start - start % _ALIGN  # a buffer must start aligned; the tensor need not
+        super().__init__(1, base, start - base + array.nbytes)
+        self.tensor = self.place("array", QType.F32, array.shape, start)
+
+
 class Memory(_Tensors):
     """Tensors in zeroed memory of our own (a private anonymous mapping: the kernel maps its
     pages on first write, 4 KiB at a time, so a large cache is resident only where written);
