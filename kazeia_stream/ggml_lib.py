@@ -116,6 +116,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "ggml_reshape_2d": ([_ctx, _t, _i64, _i64], _t),
     "ggml_reshape_3d": ([_ctx, _t, _i64, _i64, _i64], _t),
     "ggml_mul_mat": ([_ctx, _t, _t], _t),
+    "ggml_mul_mat_id": ([_ctx, _t, _t, _t], _t),
     "ggml_mul": ([_ctx, _t, _t], _t),
     "ggml_add": ([_ctx, _t, _t], _t),
     "ggml_scale": ([_ctx, _t, _f], _t),
@@ -143,6 +144,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "ggml_gallocr_new": ([_c.c_void_p], _c.c_void_p),
     "ggml_gallocr_free": ([_c.c_void_p], None),
     "ggml_gallocr_alloc_graph": ([_c.c_void_p, _c.c_void_p], _c.c_bool),
+    "ggml_gallocr_get_buffer_size": ([_c.c_void_p, _c.c_int], _c.c_size_t),
     # type, src, dst, start, nrows, n_per_row, imatrix
     "ggml_quantize_chunk": (
         [_c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_void_p],

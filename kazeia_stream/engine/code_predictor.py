@@ -158,8 +158,9 @@ class CodePredictor:
             threads=threads,
             cores=cores,
             bucket=_N_POS,
-            # one graph per codebook and run of slots (first, count) a pass may use
-            max_graphs=self.n_groups * max_streams * (max_streams + 1) // 2,
+            # two graphs (codebook 1's two rows per stream, one row after) per run of slots
+            # (first, count) a pass may use: the head applied is an input
+            max_graphs=max_streams * (max_streams + 1),
             down_scale=plan.down_scale,
         )
 
@@ -179,7 +180,7 @@ class CodePredictor:
         position), codebook 1's two (h, C_talker(c0)) per stream; the logits of `codebook` at
         each stream's last row [streams, vocab]."""
         outputs = [codebook > 1 or pos == 1 for _, _, pos in parts]
-        return self.lm.forward_many(parts, ("head", codebook - 1), outputs)[1]
+        return self.lm.forward_many(parts, "head", codebook - 1, outputs)[1]
 
     def _first(self, seqs: range, hidden: np.ndarray, code0: Sequence[int]) -> list[Part]:
         """Codebook 1's parts: h and C_talker(code0) at positions 0 and 1 of each stream."""

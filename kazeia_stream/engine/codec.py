@@ -27,8 +27,9 @@ context buffer, which the producer writes into directly. Several streams' activa
 [channels, time * streams], stream index fastest, so that a tap stays one column view and
 each multiplication reads its weights once for all the streams: the layers whose weights are
 large and columns few (up to the first decoder block) run so, on the streams' states stacked
-for the call; the later blocks run per stream. Each push sets its own thread count for
-both kinds of product (threadpoolctl for BLAS; one by default, whatever numpy's setting): the GEMMs are many and small, and
+for the call; the later blocks run per stream. Each push sets its own thread count for both
+kinds of product (threadpoolctl for BLAS; one by default, whatever numpy's setting): the
+GEMMs are many and small, and
 OpenBLAS' threads spin after each one, taking the core that ggml's threads need (a second
 BLAS thread made the talker's next step ~2x slower, and synthesis of the tiny test models
 30-80x). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
@@ -43,7 +44,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from typing import Any
 
@@ -53,7 +54,7 @@ from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from .ggml_graph import ArrayTensor, Graph, view_of
+from .ggml_graph import Allocator, ArrayTensor, Graph, view_of
 from .threads import DECODER_THREADS
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
@@ -159,10 +160,11 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
 
 @dataclass
 class Kernels:
-    """The threads of a decoder's products on ggml's kernels (set per push, as its BLAS
-    threads are)."""
+    """What a decoder's products on ggml's kernels share: the threads (set per push, as its
+    BLAS threads are) and one compute buffer."""
 
     threads: int = DECODER_THREADS
+    allocator: Allocator = field(default_factory=Allocator)
 
 
 class Matrix:
@@ -183,22 +185,23 @@ class Matrix:
         graph, columns, result = self._graph(n)
         np.copyto(columns, x.T)
         graph.compute(self.kernels.threads)
-        if out is None:
-            return np.ascontiguousarray(result.T)
+        if out is None:  # a copy: the result's memory is the next product's (one buffer)
+            return result.T.copy()
         np.copyto(out, result.T)
         return out
 
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
         """The product's graph for n columns: one mul_mat, its input [n, in] and output [n, out]
         (ggml's column-major orientation) as numpy views."""
-        if n not in self._graphs:
+        assert self.kernels is not None
+        if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
             m, k = self.array.shape
             g = Graph(4)
             x = g.input(QType.F32, (n, k))
             y = g.output(g.mul_mat(self._tensor.tensor, x))
-            g.allocate()
+            g.allocate(self.kernels.allocator)
             self._graphs[n] = (g, view_of(x, QType.F32, (n, k)), view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
 

@@ -189,16 +189,44 @@ def _logical(qtype: QType, stored: tuple[int, ...]) -> tuple[int, ...]:
     return (*stored[:-1], stored[-1] // size * block)
 
 
+class Allocator:
+    """One compute buffer for the graphs of an engine, which never run at once (each is
+    written, run and read in turn): ggml's graph allocator places each graph's inputs and
+    intermediate tensors in it, once. A graph larger than all before grows the buffer, which
+    moves it, and the graphs placed earlier are then stale (`Graph.placed`): rebuild them."""
+
+    def __init__(self) -> None:
+        self._alloc: int | None = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
+        self.size = 0
+        self.generation = 0  # how many times the buffer moved
+
+    def place(self, graph: ctypes.c_void_p | int) -> None:
+        if not ggml.ggml_gallocr_alloc_graph(self._alloc, graph):
+            raise MemoryError("ggml could not allocate a graph")
+        size = ggml.ggml_gallocr_get_buffer_size(self._alloc, 0)
+        if size > self.size:  # a new buffer (ggml's CPU buffers are one chunk: it grew)
+            self.size = size
+            self.generation += 1
+
+    def close(self) -> None:
+        if getattr(self, "_alloc", None):
+            ggml.ggml_gallocr_free(self._alloc)
+            self._alloc = None
+
+    __del__ = close
+
+
 class Graph:
     """One graph: ops added in the order they run (each is expanded into the graph as it is
     made, so that ops of several rows on one weight run back to back while it is in cache),
-    its inputs and intermediate tensors allocated once by ggml's graph allocator, then
+    its inputs and intermediate tensors placed once in its engine's `Allocator`, then
     `compute` replays it."""
 
     def __init__(self, max_nodes: int) -> None:
         self._ctx: int | None = _context(max_nodes, graph_nodes=max_nodes)
         self.graph = ggml.ggml_new_graph_custom(self._ctx, max_nodes, False)
-        self._alloc: int | None = None
+        self._allocator: Allocator | None = None
+        self._generation = -1
         self._plans: dict[int, GGMLCPlan] = {}
         self._work = np.empty(0, np.uint8)
 
@@ -220,6 +248,11 @@ class Graph:
     # the ops (ggml's own; shapes in ggml order, innermost first)
     def mul_mat(self, w: Tensor, x: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul_mat(self._ctx, w, x))
+
+    def mul_mat_id(self, stacked: Tensor, x: Tensor, ids: Tensor) -> Tensor:
+        """Each column of x [K, 1, n] by the matrix of the 3-D `stacked` that `ids` (I32 [1, n])
+        names: [M, 1, n]."""
+        return self._op(ggml.ggml_mul_mat_id(self._ctx, stacked, x, ids))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))
@@ -267,19 +300,21 @@ class Graph:
             return self._op(ggml.ggml_view_1d(self._ctx, a, ne[0], offset))
         return self._op(getattr(ggml, f"ggml_view_{len(ne)}d")(self._ctx, a, *ne, *nb, offset))
 
-    def matrix(self, a: Tensor, index: int) -> Tensor:
-        """Matrix `index` of a 3-D tensor (a view)."""
-        ne, nb = dims(a), strides(a)
-        return self.view(a, (ne[0], ne[1]), (nb[1],), index * nb[2])
+    def allocate(self, allocator: Allocator) -> None:
+        """Give the inputs and intermediate tensors memory in `allocator`'s buffer (once: a
+        replay reuses it, while `placed`)."""
+        allocator.place(self.graph)
+        self._allocator, self._generation = allocator, allocator.generation
 
-    def allocate(self) -> None:
-        """Give the inputs and intermediate tensors memory (once: a replay reuses it)."""
-        self._alloc = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
-        if not self._alloc or not ggml.ggml_gallocr_alloc_graph(self._alloc, self.graph):
-            raise MemoryError("ggml could not allocate a graph")
+    @property
+    def placed(self) -> bool:
+        """Whether the tensors' memory is still where `allocate` put it."""
+        return self._allocator is not None and self._allocator.generation == self._generation
 
     def compute(self, threads: int) -> None:
         """Run the graph on `threads` threads (ggml's OpenMP pool; the GIL is released)."""
+        if not self.placed:
+            raise RuntimeError("the graph's memory has moved: build it again")
         plan = self._plans.get(threads)
         if plan is None:
             plan = ggml.ggml_graph_plan(self.graph, threads, None)
@@ -292,9 +327,6 @@ class Graph:
             raise RuntimeError(f"ggml_graph_compute failed ({status})")
 
     def close(self) -> None:
-        if getattr(self, "_alloc", None):
-            ggml.ggml_gallocr_free(self._alloc)
-            self._alloc = None
         if getattr(self, "_ctx", None):
             ggml.ggml_free(self._ctx)
             self._ctx = None

@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..model.config import LMConfig
-from .ggml_graph import Graph, Memory, Tensor, Weights, dims, strides, view_of
+from .ggml_graph import Allocator, Graph, Memory, Tensor, Weights, dims, strides, view_of
 from .threads import SharedCores
 
 # the weights of layer `bid` are named f"{bid}.{role}"; then "output_norm", and for a model
@@ -50,9 +50,8 @@ def weight_names(layer: dict[str, str], n_layers: int) -> dict[str, str]:
     }
 
 
-Head = tuple[str, int]  # a weight's name, and which matrix of it when it is 3-D (-1: 2-D)
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)
-_Shape = tuple[tuple[tuple[int, int, int, bool], ...], Head]  # (slot, n, span, output) per part
+_Shape = tuple[tuple[tuple[int, int, int, bool], ...], str]  # (slot, n, span, output) per part; head
 
 
 @dataclass
@@ -67,6 +66,7 @@ class _Call:
     masks: list[np.ndarray]  # per part [n, span]
     hidden: list[np.ndarray]  # per output part [hidden]
     logits: list[np.ndarray]  # per output part [head rows]
+    head_index: np.ndarray | None  # [1] int32: which matrix of a stacked (3-D) head
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Qwen3LM:
         threads: int,
         cores: SharedCores | None = None,
         bucket: int = 64,
-        max_graphs: int = 32,
+        max_graphs: int = 16,
         down_scale: Sequence[float] | None = None,
     ) -> None:
         """`down_scale[bid]`: a power of two ffn_down's input is multiplied by (and its output
@@ -117,6 +117,7 @@ class Qwen3LM:
             specs[f"{bid}.v"] = (kv, (slots, self.kv_dim, n_ctx))  # transposed
         self.cache = Memory(specs)
         self._channels = np.arange(self.kv_dim, dtype=np.int64) * n_ctx
+        self._allocator = Allocator()  # one compute buffer for all the graphs
         self._graphs: OrderedDict[_Shape, _Call] = OrderedDict()
 
     def close(self) -> None:
@@ -126,6 +127,7 @@ class Qwen3LM:
         self._graphs = OrderedDict()
         if hasattr(self, "cache"):
             self.cache.close()
+            self._allocator.close()
 
     __del__ = close
 
@@ -142,12 +144,17 @@ class Qwen3LM:
         return out[0][0], out[1][0]
 
     def forward_many(
-        self, parts: Sequence[Part], head: Head = ("output", -1), outputs: Sequence[bool] | None = None
+        self,
+        parts: Sequence[Part],
+        head: str = "output",
+        head_index: int = 0,
+        outputs: Sequence[bool] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One graph over several parts (slot, rows [n, input width], first position), in
         order (a part may attend to the rows an earlier part of its slot writes): hidden
         [P, hidden] and logits [P, head rows] at the last row of each part whose `outputs` is
-        true (every part by default)."""
+        true (every part by default). `head` names the weight applied; a 3-D one is a stack
+        of heads, of which `head_index` is applied (an input: one graph serves them all)."""
         outputs = [True] * len(parts) if outputs is None else list(outputs)
         layout = []
         for (slot, rows, pos), out in zip(parts, outputs):
@@ -168,21 +175,25 @@ class Qwen3LM:
             call.v_cells[start : start + n] = self._channels + at[:, None]
             mask[...] = np.where(np.arange(mask.shape[1]) <= at[:, None], np.float32(0), np.float32(-np.inf))
             start += n
+        if call.head_index is not None:
+            call.head_index[0] = head_index
         call.graph.compute(self.cores.threads(self.threads))
         return np.stack(call.hidden), np.stack(call.logits)
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last
-        used are kept)."""
+        used are kept; built again if a larger graph moved the compute buffer since)."""
         call = self._graphs.get(shape)
-        if call is None:
+        if call is None or not call.graph.placed:
+            if call is not None:
+                call.graph.close()
             call = self._graphs[shape] = self._build(*shape)
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)[1].graph.close()
         self._graphs.move_to_end(shape)
         return call
 
-    def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: Head) -> _Call:
+    def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str) -> _Call:
         cfg, w = self.config, self.weights
         total = sum(n for _, n, _, _ in layout)
         g = Graph(_NODES_PER_LAYER * cfg.num_layers * len(layout) + _NODES_EXTRA)
@@ -211,17 +222,21 @@ class Qwen3LM:
             xs = [g.add(g.mul_mat(w["proj"], row), w["proj_bias"]) for row in xs]
         for bid in range(cfg.num_layers):
             xs = self._layer(g, bid, xs, parts)
-        name, index = head
-        head_matrix = w[name] if index < 0 else g.matrix(w[name], index)
+        stacked = dims(w[head])[2] > 1
+        index = g.input(QType.I32, (1, 1)) if stacked else None
         hidden, logits = [], []
         for y, part, (*_, out) in zip(xs, parts, layout):
             if out:
                 row = strides(y)[1]
                 last = y if part.n == 1 else g.view(y, (cfg.hidden_size, 1), (row,), (part.n - 1) * row)
-                hidden.append(g.output(g.mul(g.rms_norm(last, cfg.rms_norm_eps), w["output_norm"])))
-                logits.append(g.output(g.mul_mat(head_matrix, hidden[-1])))
-        g.allocate()
-        n_logits = dims(head_matrix)[1]
+                h = g.output(g.mul(g.rms_norm(last, cfg.rms_norm_eps), w["output_norm"]))
+                if index is None:
+                    logits.append(g.output(g.mul_mat(w[head], h)))
+                else:
+                    logits.append(g.output(g.mul_mat_id(w[head], g.reshape(h, cfg.hidden_size, 1, 1), index)))
+                hidden.append(h)
+        g.allocate(self._allocator)
+        n_logits = dims(w[head])[1]
         return _Call(
             g,
             view_of(x, QType.F32, (total, self.input_width)),
@@ -231,6 +246,7 @@ class Qwen3LM:
             [view_of(m, QType.F32, (n, span)) for m, (_, n, span, _) in zip(masks, layout)],
             [view_of(h, QType.F32, (cfg.hidden_size,)) for h in hidden],
             [view_of(lg, QType.F32, (n_logits,)) for lg in logits],
+            None if index is None else view_of(index, QType.I32, (1,)),
         )
 
     def _layer(self, g: Graph, bid: int, xs: list[Tensor], parts: list[_Rows]) -> list[Tensor]:
