@@ -32,12 +32,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
-from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile
 from .ggml_graph import Weights, nbytes
-from .qwen3 import Part, Qwen3LM, weight_names
+from .qwen3 import Part, Qwen3LM, file_weights, weight_names, weight_types
 from .threads import SharedCores
 
 # Positions per frame: h, C_talker(c0) and 14 codebook inputs.
@@ -61,11 +60,7 @@ class _Plan:
         if cfg.has_projection:
             self.sources["proj"] = L.CP_PROJ_IN + ".weight"
             self.sources["proj_bias"] = L.CP_PROJ_IN + ".bias"
-        # vectors (norms, bias) are F32 for ggml's elementwise ops
-        self.types = {
-            name: f.tensor_type(src) if len(f.tensor_shape(src)) > 1 else QType.F32
-            for name, src in self.sources.items()
-        }
+        self.types = weight_types(f, self.sources)
         self.down_scale = [1.0] * cfg.num_layers
         if not exact:
             for bid in range(cfg.num_layers):
@@ -78,26 +73,9 @@ class _Plan:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.file.tensor_shape(self.sources[name])
 
-    def converted(self, name: str) -> bool:
-        return self.types[name] != self.file.tensor_type(self.sources[name])
-
-    def data(self, name: str) -> np.ndarray:
-        """A weight converted from its stored type, as its planned type stores it."""
-        values = self.file.read(self.sources[name])
-        wanted = self.types[name]
-        if wanted == QType.F32:
-            return values
-        if wanted == QType.F16:
-            return values.astype(np.float16)
-        return quantize(values, wanted)
-
     def weights(self) -> Weights:
         """The weights: stored ones in place in the file's mapping, the others converted."""
-        return Weights(
-            self.file,
-            {name: src for name, src in self.sources.items() if not self.converted(name)},
-            {name: (self.types[name], self.data(name)) for name in self.sources if self.converted(name)},
-        )
+        return file_weights(self.file, self.sources, self.types)
 
     def nbytes(self, name: str) -> int:
         return nbytes(self.types[name], self.shape(name))

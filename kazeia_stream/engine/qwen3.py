@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from ..ggml_lib import quantize
 from ..model.config import LMConfig
+from ..model.gguf_file import GGUFFile
 from .ggml_graph import Allocator, Graph, Memory, Tensor, Weights, dims, strides, view_of
 from .threads import SharedCores
 
@@ -48,6 +50,35 @@ def weight_names(layer: dict[str, str], n_layers: int) -> dict[str, str]:
     return {
         f"{bid}.{role}": pattern.format(bid=bid) for bid in range(n_layers) for role, pattern in layer.items()
     }
+
+
+def weight_types(f: GGUFFile, sources: dict[str, str]) -> dict[str, QType]:
+    """The type each weight takes (our name -> the file's tensor): the stored one, but F32 for
+    vectors (norms, biases), which ggml's elementwise ops take in F32 only."""
+    return {
+        name: f.tensor_type(src) if len(f.tensor_shape(src)) > 1 else QType.F32
+        for name, src in sources.items()
+    }
+
+
+def file_weights(f: GGUFFile, sources: dict[str, str], types: dict[str, QType]) -> Weights:
+    """The weights (our name -> the file's tensor) as ggml tensors: in place in the file's
+    mapping where `types` keeps the stored type, else converted (vectors to F32)."""
+    converted = {name for name, src in sources.items() if types[name] != f.tensor_type(src)}
+    return Weights(
+        f,
+        {name: src for name, src in sources.items() if name not in converted},
+        {name: (types[name], _convert(f.read(sources[name]), types[name])) for name in converted},
+    )
+
+
+def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
+    """float32 values as `qtype` stores them (F32, F16, or quantized rows of bytes)."""
+    if qtype == QType.F32:
+        return values
+    if qtype == QType.F16:
+        return values.astype(np.float16)
+    return quantize(values, qtype)
 
 
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)

@@ -16,8 +16,7 @@ from gguf import GGMLQuantizationType as QType
 from ..model import gguf_layout as L
 from ..model.config import TalkerConfig
 from ..model.gguf_file import GGUFFile
-from .ggml_graph import Weights
-from .qwen3 import Qwen3LM, weight_names
+from .qwen3 import Qwen3LM, file_weights, weight_names, weight_types
 from .threads import SharedCores
 
 # positions per slot: 164 s of frames, and long texts are split into segments that fit
@@ -56,8 +55,12 @@ class Talker:
         n_ctx: int = N_CTX,
         cores: SharedCores | None = None,
     ) -> None:
-        names = weight_names(L.TALKER_LAYER, cfg.num_layers)
-        self.weights = Weights(f, {**names, "output_norm": L.TALKER_OUTPUT_NORM, "output": L.TALKER_OUTPUT})
+        sources = {
+            **weight_names(L.TALKER_LAYER, cfg.num_layers),
+            "output_norm": L.TALKER_OUTPUT_NORM,
+            "output": L.TALKER_OUTPUT,
+        }
+        self.weights = file_weights(f, sources, weight_types(f, sources))
         self.lm = Qwen3LM(
             self.weights,
             cfg,
