@@ -90,3 +90,22 @@ def test_a_prefill_longer_than_a_graph_runs_in_parts(model, monkeypatch):
     assert {layout[0][1] for layout, _ in talker.lm._graphs} == {8, 6}  # rows of the one part
     for a, b in zip(whole, parts):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+def test_graphs_placed_before_a_larger_one_are_built_again(model):
+    """An engine's graphs share one compute buffer; a larger graph grows (moves) it, and the
+    graphs placed before are built again rather than run on the old one."""
+    prompt, steps = rows(model, 2), rows(model, 3, 7)
+
+    def steps_of(talker: Talker) -> list[np.ndarray]:
+        state = TalkerState()
+        talker.prefill(state, prompt)
+        return [talker.step(state, row)[1] for row in steps]
+
+    talker = Talker(model.talker_file, model.config.talker, 1)
+    first = steps_of(talker)
+    size = talker.lm._allocator.size
+    talker.prefill(TalkerState(), rows(model, 300, 3))  # a much larger graph
+    assert talker.lm._allocator.size > size
+    again = steps_of(talker)  # the same shapes as before
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
