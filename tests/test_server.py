@@ -244,7 +244,7 @@ def test_an_api_key_guards_every_route_but_health(model):
 
 def test_concurrent_clients_are_spoken_together_each_as_alone(tiny_gguf):
     """The server's runtime (4 streams by default) generates the three requests together; each
-    gets its audio as spoken alone (a Q8_0 model: libllama's batched arithmetic is its solo
+    gets its audio as spoken alone (each stream's arithmetic is its solo
     arithmetic), within the decoder's rounding beside other streams: at most 1 in 16 bits."""
     q8 = tiny_gguf("custom_voice", "q8_0")[0]
     runtime = kazeia_stream.Runtime(kazeia_stream.load_model(q8))

@@ -1,9 +1,9 @@
 """Several streams at once: one runtime's engines generate and decode many utterances together,
 and each one's audio is what it would be alone.
 
-The model is Q8_0: libllama's Q8_0 kernels for one row and for several accumulate in the same
-order, so a stream's logits beside others are its solo ones bit for bit (its codes the same).
-Its F32 and F16 kernels differ between one row and several (see the last test).
+Each stream's rows are products of their own (one-column kernels), so a stream's logits beside
+others are its solo ones bit for bit, its codes the same, at every weight type (see
+`test_a_talker_step_beside_others_is_its_lone_step_to_the_bit`).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ async def speak(runtime, voice, seed, text, log=None) -> np.ndarray:
 
 
 def test_the_frame_loop_gives_each_stream_alone_and_together_the_same_codes(shared, solo_runtime):
-    """libllama's batched decodes (one sequence per stream) give the solo arithmetic bit for
-    bit: the same logits, hence the same codes, for every stream."""
+    """Passes over several streams (one KV slot each) give the solo arithmetic bit for bit:
+    the same logits, hence the same codes, for every stream."""
     model = shared.model
 
     def start(frames, seed, prompt):
@@ -339,7 +339,7 @@ def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_
 
 
 def test_the_interpreter_exits_only_after_the_pass_in_flight(tiny_gguf):
-    """At exit, libllama and BLAS are torn down after Python: a pass still running then would
+    """At exit, libggml and BLAS are torn down after Python: a pass still running then would
     crash the process (it did, 1 run in 20, when a `--pipe` reader closed stdout)."""
     script = f"""
 import sys, threading, time

@@ -1,4 +1,4 @@
-"""The talker on libllama against the official implementation, teacher-forced along fixed codes."""
+"""The talker (graphs on libggml) against the official implementation, teacher-forced along fixed codes."""
 
 from __future__ import annotations
 
