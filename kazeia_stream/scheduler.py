@@ -4,8 +4,9 @@ A runtime's streams (utterances being spoken, from any session, thread or server
 not take turns for a whole utterance: each asks for its next frame, and a generator thread runs
 one pass (`FrameLoop.next_frames`: one talker decode and one set of code-predictor passes) over
 every stream that asked since the last pass; a decoder thread likewise decodes the next frame of
-every stream that has one in one `CodecDecoder.push_many`. Generating a frame is bound by
-reading the weights, so a pass over several streams costs little more than one.
+every stream that has one in one `CodecDecoder.push_many`. A pass over several streams reads
+each weight from memory once for all of them (the products of its rows run back to back), and
+no stream waits for another's whole utterance.
 
 - Admission: at most `max_streams` streams hold talker slots; the others wait in order (FIFO).
 - Continuous batching: a stream joins or leaves between passes; a pass waits up to `GATHER_S`
