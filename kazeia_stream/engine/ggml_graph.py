@@ -108,16 +108,25 @@ class ArrayTensor(_Tensors):
         self.tensor = self.place("array", QType.F32, array.shape, start)
 
 
+def _zeroed(size: int) -> np.ndarray:
+    """`size` zero bytes of our own, page-aligned, that become resident only where written: a
+    private anonymous mapping (the kernel maps its pages on first write, 4 KiB at a time, not
+    as huge pages); where mmap has no such flags (Windows), numpy's zeroed memory."""
+    if hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+    raw = np.zeros(size + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + size]
+
+
 class Memory(_Tensors):
-    """Tensors in zeroed memory of our own (a private anonymous mapping: the kernel maps its
-    pages on first write, 4 KiB at a time, so a large cache is resident only where written);
-    numpy views of them in `arrays`."""
+    """Tensors in zeroed memory of our own (`_zeroed`: a large cache is resident only where
+    written); numpy views of them in `arrays`."""
 
     def __init__(self, specs: Mapping[str, tuple[QType, tuple[int, ...]]]) -> None:
         sizes = [-(-nbytes(qtype, shape) // _ALIGN) * _ALIGN for qtype, shape in specs.values()]
         total = max(1, sum(sizes))
-        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self._bytes = np.frombuffer(mmap.mmap(-1, total, flags=private), np.uint8)
+        self._bytes = _zeroed(total)
         super().__init__(len(specs), self._bytes.ctypes.data, total)
         self.arrays: dict[str, np.ndarray] = {}
         offset = 0
@@ -162,23 +171,25 @@ class Weights(_Tensors):
     def prefault(self) -> None:
         """Map the mapped weights' pages now (from the page cache, reading the file if it is not
         there), so that the first pass does not take page faults over all of them."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        base = self._file.ctypes.data
+        page, base = mmap.PAGESIZE, self._file.ctypes.data
         for offset, size in self.spans:
             start = offset // page * page
-            if (
-                libc.madvise(
-                    ctypes.c_void_p(base + start), ctypes.c_size_t(offset + size - start), MADV_POPULATE_READ
-                )
-                != 0
-            ):  # an older kernel: touch a byte per page
-                int(self._file[start : offset + size : page].sum())
+            if not _populate(base + start, offset + size - start):
+                int(self._file[start : offset + size : page].sum())  # touch a byte per page
 
     def close(self) -> None:
         super().close()
         if hasattr(self, "_own"):
             self._own.close()
+
+
+def _populate(address: int, size: int) -> bool:
+    """madvise(MADV_POPULATE_READ) (Linux 5.14): whether the kernel mapped the pages."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):  # no C library by that name (Windows)
+        return False
+    return bool(libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_READ) == 0)
 
 
 def _logical(qtype: QType, stored: tuple[int, ...]) -> tuple[int, ...]:
