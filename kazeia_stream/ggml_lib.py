@@ -48,7 +48,7 @@ class GGMLCPlan(ctypes.Structure):
 
 class GGMLTensor(ctypes.Structure):
     """struct ggml_tensor (ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10,
-    GGML_MAX_NAME 64). Check a layout-dependent use against ggml_get_data / ggml_get_name."""
+    GGML_MAX_NAME 64): we read its sizes ne and strides nb."""
 
     _fields_ = [
         ("type", ctypes.c_int),

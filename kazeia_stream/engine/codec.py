@@ -29,10 +29,10 @@ each multiplication reads its weights once for all the streams: the layers whose
 large and columns few (up to the first decoder block) run so, on the streams' states stacked
 for the call; the later blocks run per stream. Each push sets its own thread count for both
 kinds of product (threadpoolctl for BLAS; one by default, whatever numpy's setting): the
-GEMMs are many and small, and
-OpenBLAS' threads spin after each one, taking the core that ggml's threads need (a second
-BLAS thread made the talker's next step ~2x slower, and synthesis of the tiny test models
-30-80x). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+GEMMs are many and small, and OpenBLAS' threads spin after each one, taking the core that
+ggml's threads need (a second BLAS thread made the talker's next step ~2x slower, and
+synthesis of the tiny test models 30-80x). `python -m kazeia_stream.engine.codec MMPROJ`
+measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Mapping, Sequence
+from functools import cache
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -121,20 +122,16 @@ def _zeroed(size: int) -> np.ndarray:
 
 class Memory(_Tensors):
     """Tensors in zeroed memory of our own (`_zeroed`: a large cache is resident only where
-    written); numpy views of them in `arrays`."""
+    written)."""
 
     def __init__(self, specs: Mapping[str, tuple[QType, tuple[int, ...]]]) -> None:
         sizes = [-(-nbytes(qtype, shape) // _ALIGN) * _ALIGN for qtype, shape in specs.values()]
         total = max(1, sum(sizes))
         self._bytes = _zeroed(total)
         super().__init__(len(specs), self._bytes.ctypes.data, total)
-        self.arrays: dict[str, np.ndarray] = {}
         offset = 0
         for (name, (qtype, shape)), size in zip(specs.items(), sizes):
             self.place(name, qtype, shape, self._bytes.ctypes.data + offset)
-            if qtype in _NUMPY:
-                data = self._bytes[offset : offset + nbytes(qtype, shape)]
-                self.arrays[name] = data.view(_NUMPY[qtype]).reshape(shape)
             offset += size
 
 
@@ -183,11 +180,18 @@ class Weights(_Tensors):
             self._own.close()
 
 
+@cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):  # no C library by that name (Windows)
+        return None
+
+
 def _populate(address: int, size: int) -> bool:
     """madvise(MADV_POPULATE_READ) (Linux 5.14): whether the kernel mapped the pages."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except (OSError, TypeError):  # no C library by that name (Windows)
+    libc = _libc()
+    if libc is None:
         return False
     return bool(libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_READ) == 0)
 

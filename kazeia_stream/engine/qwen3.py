@@ -30,14 +30,15 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..ggml_lib import quantize
-from ..model.config import LMConfig
+from ..model import gguf_layout as L
+from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
 from .ggml_graph import Allocator, Graph, Memory, Tensor, Weights, dims, strides, view_of
 from .threads import SharedCores
 
-# the weights of layer `bid` are named f"{bid}.{role}"; then "output_norm", and for a model
-# that projects its inputs first (the 1.7B code predictor) "proj" and "proj_bias"
-LAYER_ROLES = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "ffn_norm", "gate", "up", "down")
+# the weights of layer `bid` are named f"{bid}.{role}" (the roles of config.layer_shapes); then
+# "output_norm", and for a model that projects its inputs first (the 1.7B code predictor)
+# "proj" and "proj_bias"
 # graph nodes per part and layer (about 40), and per graph besides
 _NODES_PER_LAYER, _NODES_EXTRA = 48, 64
 # rows of one part at most: a longer prefill runs as several calls
@@ -47,9 +48,7 @@ MAX_PART = 512
 def weight_names(layer: dict[str, str], n_layers: int) -> dict[str, str]:
     """Our names of a stack's layer weights (f"{bid}.{role}") -> the file's, from the file's
     pattern per role (`gguf_layout.TALKER_LAYER`, `CP_LAYER`)."""
-    return {
-        f"{bid}.{role}": pattern.format(bid=bid) for bid in range(n_layers) for role, pattern in layer.items()
-    }
+    return {f"{bid}.{role}": name for (bid, role), name in L.layer_tensors(layer, n_layers).items()}
 
 
 def weight_types(f: GGUFFile, sources: dict[str, str]) -> dict[str, QType]:
@@ -284,7 +283,7 @@ class Qwen3LM:
         """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over the parts, each op for every part
         before the next op."""
         cfg = self.config
-        w = {role: self.weights[f"{bid}.{role}"] for role in LAYER_ROLES}
+        w = {role: self.weights[f"{bid}.{role}"] for role in layer_shapes(cfg)}
         hd, heads, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         k_cache, v_cache = self.cache[f"{bid}.k"], self.cache[f"{bid}.v"]
         knb, vnb = strides(k_cache), strides(v_cache)  # [kv_dim, n_ctx, slot], [n_ctx, kv_dim, slot]

@@ -75,10 +75,6 @@ class Talker:
         self.n_ctx, self.n_seq = n_ctx, slots
         self._fixed: list[np.ndarray | None] = [None] * slots  # each slot's kept rows
 
-    def close(self) -> None:
-        self.lm.close()
-        self.weights.close()
-
     def slot_for(self, fixed: np.ndarray, free: list[int]) -> int:
         """Of the `free` slots, one that keeps the rows `fixed` if any, else the first."""
         return next((seq for seq in free if self.holds(seq, fixed)), free[0])

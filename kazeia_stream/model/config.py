@@ -239,11 +239,7 @@ def _check_tensors(
     """Every weight of a Qwen3 stack is in the file with the shape its config gives (the
     engines build their graphs from these shapes)."""
     shapes = layer_shapes(cfg)
-    expected = {
-        pattern.format(bid=bid): shapes[role]
-        for bid in range(cfg.num_layers)
-        for role, pattern in layer.items()
-    }
+    expected = {name: shapes[role] for (_, role), name in L.layer_tensors(layer, cfg.num_layers).items()}
     for name, shape in {**expected, **others}.items():
         if not f.has_tensor(name):
             raise ModelFileError(f"{f.path}: {what} tensor {name!r} is missing")

@@ -184,6 +184,15 @@ CP_LAYER = {
     "down": CP_FFN_DOWN,
 }
 
+
+def layer_tensors(layer: dict[str, str], n_layers: int) -> dict[tuple[int, str], str]:
+    """Every layer tensor of a stack by (layer, role), from its pattern per role (`TALKER_LAYER`,
+    `CP_LAYER`)."""
+    return {
+        (bid, role): pattern.format(bid=bid) for bid in range(n_layers) for role, pattern in layer.items()
+    }
+
+
 # --- mmproj: codec decoder ("code2wav") ---
 WAV_QUANT_FIRST_IN = "a.gen.wav.quant.first.in_proj.weight"  # 1x1 conv kernels stored 2D
 WAV_QUANT_FIRST_OUT = "a.gen.wav.quant.first.out_proj.weight"
