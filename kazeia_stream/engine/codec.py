@@ -68,8 +68,6 @@ DILATIONS = (1, 3, 9)  # residual units of each decoder block (hard-coded upstre
 # `push` decodes at most this many frames per pass: the intermediate buffers stay small (a frame
 # is 1920 x 96 floats in the last block) and the result does not depend on it.
 MAX_FRAMES_PER_PASS = 16
-# The decoder blocks run on column pieces of at most this many output values (floats).
-PIECE_ELEMENTS = 1 << 18
 # `push_many` runs this many decoder blocks (and the layers before them) on all the streams'
 # columns at once; the later ones per stream (their many columns make the multiplications the
 # cost, not the weight reads: batching them measured slower).
@@ -168,8 +166,11 @@ class Kernels:
 
 
 class Matrix:
-    """A weight W [out, in] (float32) and W @ X on the kernels that suit X's column count:
-    numpy's BLAS, or ggml's (`GGML_COLUMNS`, once `kernels` is set), which read W in place."""
+    """A weight W [out, in] (float32) and W @ X: on ggml's kernels once `kernels` is set (the
+    decoder sets it for the layers of few columns per frame, `GGML_COLUMNS`), which read W in
+    place and give a column the same numbers whatever columns come with it; else on numpy's
+    BLAS, whose numbers depend on the column count (the decoder calls those layers with one
+    frame's columns at a time)."""
 
     def __init__(self, w: np.ndarray) -> None:
         self.array = np.ascontiguousarray(w, dtype=F32)
@@ -179,15 +180,17 @@ class Matrix:
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """W @ x for x [in, n] (a column view of a buffer will do)."""
-        n = x.shape[1]
-        if self.kernels is None or n > GGML_COLUMNS:
+        if self.kernels is None:
             return _matmul(self.array, x, out)
-        graph, columns, result = self._graph(n)
-        np.copyto(columns, x.T)
+        # one column takes the several-column kernel too (as two copies): its numbers are then
+        # the same whatever else it is multiplied with (other frames, other streams)
+        n = x.shape[1]
+        graph, columns, result = self._graph(max(n, 2))
+        np.copyto(columns, x.T if n > 1 else np.broadcast_to(x.T, columns.shape))
         graph.compute(self.kernels.threads)
         if out is None:  # a copy: the result's memory is the next product's (one buffer)
-            return result.T.copy()
-        np.copyto(out, result.T)
+            return result[:n].T.copy()
+        np.copyto(out, result[:n].T)
         return out
 
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
@@ -206,9 +209,19 @@ class Matrix:
         return self._graphs[n]
 
 
+def _sum_squares(x: np.ndarray) -> np.ndarray:
+    """The sum of squares over the channels of [C, n], per column, added in one order whatever
+    n: numpy sums a lone contiguous column its own way (pairwise), so one column is summed as
+    two copies."""
+    n = x.shape[1]
+    if n == 1:
+        x = np.repeat(x, 2, axis=1)
+    return np.einsum("ij,ij->j", x, x)[:n]
+
+
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the channels of [C, n]; weight [C, 1]."""
-    var = np.einsum("ij,ij->j", x, x) / F32(x.shape[0])
+    var = _sum_squares(x) / F32(x.shape[0])
     return x * (F32(1.0) / np.sqrt(var + F32(eps))) * weight
 
 
@@ -402,7 +415,7 @@ class ConvNeXtBlock:
     def __call__(self, state: ContextBuffer, x: np.ndarray) -> np.ndarray:
         h = self.dwconv(state, x)
         h -= h.mean(axis=0)
-        var = np.einsum("ij,ij->j", h, h) / F32(h.shape[0])
+        var = _sum_squares(h) / F32(h.shape[0])
         h *= F32(1.0) / np.sqrt(var + F32(LAYER_NORM_EPS))
         h *= self.norm_w
         h += self.norm_b
@@ -445,6 +458,7 @@ class DecoderBlock:
         w = w.reshape(-1, len(b), w.shape[-1])
         self.up = CausalTransConv(w, b, stride=w.shape[-1] // 2)
         self.units = [ResidualUnit(f, bid, xid, d) for xid, d in enumerate(DILATIONS)]
+        self.frame_columns = 1  # input columns per frame (the decoder sets it)
 
     def new_state(self) -> tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]:
         return self.up.new_state(), [unit.new_state() for unit in self.units]
@@ -509,18 +523,20 @@ class TransformerLayer:
         for s, (kv, mask) in enumerate(zip(kvs, masks)):
             kv.keys[:, :, slots[:, s]] = qk[nh:, :, :, s]
             kv.values[:, :, slots[:, s]] = v[..., s]
-            # grouped-query attention: the `rep` query heads of a kv head share its keys
-            r = kv.keys.shape[2]
-            q = qk[:nh, :, :, s].reshape(nkv, rep, hd, n).transpose(0, 1, 3, 2).reshape(nkv, rep * n, hd)
-            scores = (q @ kv.keys).reshape(nkv, rep, n, r)  # [kv heads, rep, query, slot]
-            scores *= F32(hd**-0.5)
-            scores += mask
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            # [nkv, hd, slot] x [nkv, slot, rep * n] -> [nkv, hd, rep, n] -> [nh * hd, n]
-            a = kv.values @ scores.reshape(nkv, rep * n, r).transpose(0, 2, 1)
-            attn_heads[..., s] = a.reshape(nkv, hd, rep, n).transpose(0, 2, 1, 3)
+            # one frame's queries at a time, contiguous: the products' shapes and layouts,
+            # hence their rounding, are those of a push of one frame. Grouped-query attention:
+            # the `rep` query heads of a kv head share its keys.
+            for t in range(n):
+                q = np.ascontiguousarray(qk[:nh, :, t, s]).reshape(nkv, rep, hd)
+                scores = q @ kv.keys  # [kv heads, rep, slot]
+                scores *= F32(hd**-0.5)
+                scores += mask[t]
+                scores -= scores.max(axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                scores /= scores.sum(axis=-1, keepdims=True)
+                # [nkv, hd, slot] x [nkv, slot, rep] -> [nkv, hd, rep]
+                a = kv.values @ scores.transpose(0, 2, 1)
+                attn_heads[:, :, :, t, s] = a.transpose(0, 2, 1)
         x = x + self.ls1 * self.out(attn)
         gu = self.gate_up(_rms_norm(x, self.ln2, self.eps))
         g, u = gu[: len(gu) // 2], gu[len(gu) // 2 :]
@@ -740,11 +756,16 @@ class CodecDecoder:
             self.upsample.append((CausalTransConv(w, b, stride=w.shape[-1]), ConvNeXtBlock(f, bid)))
         self.entry = CausalConv(*_conv(f, L.WAV_DAC_ENTRY))
         self.blocks = [DecoderBlock(f, bid) for bid in range(_count(f, L.WAV_DAC_UP_CONV))]
+        rate = int(np.prod([up.s for up, _ in self.upsample]))  # columns per frame
+        for block in self.blocks:
+            block.frame_columns = rate
+            rate *= block.up.s
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self.kernels = Kernels(threads)
-        for matrix, _ in self.products():
-            matrix.kernels = self.kernels
+        for matrix, columns in self.products():
+            if columns <= GGML_COLUMNS:
+                matrix.kernels = self.kernels
         self.num_groups = self.quantizer.num_groups
         self.samples_per_frame = int(
             np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
@@ -899,7 +920,7 @@ class CodecDecoder:
         with self._threads(None):
             for m, columns in self.products():
                 n = columns * frames
-                piece = min(n, max(1, PIECE_ELEMENTS // m.array.shape[0]))
+                piece = n if m.kernels else columns  # as a decode calls it (see `_blocks`)
                 x = rng.standard_normal((m.array.shape[1], piece), dtype=F32)
                 best = math.inf
                 for _ in range(repeat):
@@ -935,9 +956,10 @@ def _blocks(
     blocks: Sequence[DecoderBlock], states: Sequence[BlockState], pieces: list[np.ndarray], streams: int
 ) -> list[np.ndarray]:
     """Decoder blocks on consecutive pieces [C, t * streams] of their input: the output pieces,
-    of at most PIECE_ELEMENTS output values each (whole time steps)."""
+    one frame's each (numpy's products then have the same columns whatever the push, and the
+    activations stay in the L2 cache)."""
     for block, state in zip(blocks, states):
-        step = max(1, PIECE_ELEMENTS // (block.up.c_out * block.up.s * streams)) * streams
+        step = block.frame_columns * streams
         pieces = [block(state, p[:, i : i + step]) for p in pieces for i in range(0, p.shape[1], step)]
     return pieces
 
