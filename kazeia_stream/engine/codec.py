@@ -1,8 +1,9 @@
 """The codec decoder ("code2wav"): 16 codes per 80 ms frame -> 1920 samples of 24 kHz audio.
 
 Exact and streaming. Every stage of Qwen3-TTS-Tokenizer-12Hz's decoder is causal, so a sequence
-decoded in chunks of any sizes gives the samples of the one-shot decode (to float rounding),
-provided each layer's state is carried between calls. The layers hold weights only; an
+decoded in chunks of any sizes gives the samples of the one-shot decode, bit for bit,
+provided each layer's state is carried between calls and every product gives a column the same
+numbers whatever columns come with it (see `Matrix`). The layers hold weights only; an
 utterance's state is a `DecoderState` (`CodecDecoder.new_state()`), made of each layer's
 own state object, as in Kyutai's moshi streaming modules:
 
@@ -14,15 +15,16 @@ own state object, as in Kyutai's moshi streaming modules:
   utterance, as in the official one-shot decode).
 
 One path, `CodecDecoder.push_many(states, codes)`, serves streaming and one-shot decoding, of
-one utterance (`push`) or of several at once (streams: each state advanced as alone, to float
-rounding). The official semantics kept here: negative codes clamp to 0, the transposed
+one utterance (`push`) or of several at once (streams: each state advanced as alone, bit for
+bit). The official semantics kept here: negative codes clamp to 0, the transposed
 convolutions trim (k - s) samples on the right only, the sliding window lets a query at t see
 keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
 Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
-a few products W @ X (`Matrix`): on ggml's kernels for few columns (the early stages: they read
-the weights in place, where OpenBLAS first packs them), on numpy's BLAS for many (weights on
-the left is the fast orientation); a convolution tap is a shifted column view of the layer's
+a few products W @ X (`Matrix`): on ggml's kernels for the layers of few columns per frame
+(the early stages: they read the weights in place, where OpenBLAS first packs them), on numpy's
+BLAS, one frame's columns at a time, for the others (weights on the left is the fast
+orientation); a convolution tap is a shifted column view of the layer's
 context buffer, which the producer writes into directly. Several streams' activations are
 [channels, time * streams], stream index fastest, so that a tap stays one column view and
 each multiplication reads its weights once for all the streams: the layers whose weights are
@@ -792,7 +794,7 @@ class CodecDecoder:
     ) -> list[np.ndarray]:
         """Decode the next n frames of several utterances (streams) together, the same n for
         each: codes [n, groups] per stream -> audio [n * spf] per stream, each state advanced
-        as `push` leaves it (to float rounding: BLAS rounds other column counts differently).
+        as `push` leaves it, bit for bit.
         The layers up to the first decoder blocks multiply their weights once by the columns of
         all the streams: with one stream's few columns, reading the weights is the cost."""
         if len(states) != len(codes):
@@ -937,9 +939,8 @@ class CodecDecoder:
         `JOINT_BLOCKS` decoder blocks run on all the streams' columns at once, the later blocks
         (many columns, small weights: the multiplications are the cost) per stream. Up to the
         first decoder block a pass runs whole (the weights are large, the activations small);
-        from there on in pieces of at most PIECE_ELEMENTS output values per block, so that the
-        activations stay in the L2 cache. Every layer streams, so any split gives the same
-        samples."""
+        from there on one frame at a time (see `_blocks`). Every layer streams, so any split
+        gives the same samples."""
         count = len(streams.states)
         for (up, convnext), (tail, context) in zip(self.upsample, streams.upsample):
             h = convnext(context, up(tail, h))
