@@ -72,7 +72,8 @@ def test_streaming_equals_one_shot(decoder, reference, one_shot, name):
         assert part.shape == (n * decoder.samples_per_frame,)
         parts.append(part)
         start += n
-    np.testing.assert_array_equal(np.concatenate(parts), one_shot)  # a column's products never depend on the chunk
+    # bit for bit: a column's products never depend on the chunk
+    np.testing.assert_array_equal(np.concatenate(parts), one_shot)
 
 
 def test_utterances_interleaved_on_one_decoder_keep_their_own_state(decoder, reference, one_shot):

@@ -13,6 +13,7 @@ from kazeia_stream.engine.codec import CodecDecoder, ContextBuffer, DecoderState
 from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
 
+
 @pytest.fixture(scope="module")
 def decoder(tiny_gguf) -> CodecDecoder:
     _, mmproj = tiny_gguf("custom_voice")

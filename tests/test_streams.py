@@ -28,6 +28,8 @@ TEXTS = {
     ("vivian", 2): "A second voice speaks at the same time, a little longer than the first one.",
     ("aiden", 3): "And a third.",
 }
+
+
 @pytest.fixture(scope="module")
 def model(tiny_gguf):
     return kazeia_stream.load_model(tiny_gguf("custom_voice", "q8_0")[0])
