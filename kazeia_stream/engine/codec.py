@@ -56,7 +56,7 @@ from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from .ggml_graph import Allocator, ArrayTensor, Graph, view_of
+from .ggml_graph import Allocator, ArrayTensor, Graph, strides, view_of
 from .threads import DECODER_THREADS
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
@@ -170,44 +170,52 @@ class Kernels:
 class Matrix:
     """A weight W [out, in] (float32) and W @ X: on ggml's kernels once `kernels` is set (the
     decoder sets it for the layers of few columns per frame, `GGML_COLUMNS`), which read W in
-    place and give a column the same numbers whatever columns come with it; else on numpy's
-    BLAS, whose numbers depend on the column count (the decoder calls those layers with one
-    frame's columns at a time)."""
+    place; else on numpy's BLAS. A column's numbers must not depend on the columns that come
+    with it (other frames of a push, other streams): ggml's several-column kernel gives the same
+    numbers for any count of at least two, its one-column kernel others, so a layer of one
+    column per frame (`by_column`) multiplies each column alone; numpy's depend on the count,
+    and the decoder calls those layers with one frame's columns at a time."""
 
     def __init__(self, w: np.ndarray) -> None:
         self.array = np.ascontiguousarray(w, dtype=F32)
         self.kernels: Kernels | None = None
+        self.by_column = False
         self._tensor: ArrayTensor | None = None
-        self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
+        self._graphs: dict[int, tuple[Graph, np.ndarray, list[np.ndarray]]] = {}
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """W @ x for x [in, n] (a column view of a buffer will do)."""
         if self.kernels is None:
             return _matmul(self.array, x, out)
-        # one column takes the several-column kernel too (as two copies): its numbers are then
-        # the same whatever else it is multiplied with (other frames, other streams)
-        n = x.shape[1]
-        graph, columns, result = self._graph(max(n, 2))
-        np.copyto(columns, x.T if n > 1 else np.broadcast_to(x.T, columns.shape))
+        graph, columns, results = self._graph(x.shape[1])
+        np.copyto(columns, x.T)
         graph.compute(self.kernels.threads)
+        result = results[0] if len(results) == 1 else np.concatenate(results)
         if out is None:  # a copy: the result's memory is the next product's (one buffer)
-            return result[:n].T.copy()
-        np.copyto(out, result[:n].T)
+            return result.T.copy()
+        np.copyto(out, result.T)
         return out
 
-    def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
-        """The product's graph for n columns: one mul_mat, its input [n, in] and output [n, out]
-        (ggml's column-major orientation) as numpy views."""
+    def _graph(self, n: int) -> tuple[Graph, np.ndarray, list[np.ndarray]]:
+        """The product's graph for n columns: one mul_mat (or one per column, `by_column`), its
+        input [n, in] and outputs [columns, out] (ggml's column-major orientation) as numpy
+        views."""
         assert self.kernels is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
             m, k = self.array.shape
-            g = Graph(4)
+            parts = n if self.by_column else 1
+            g = Graph(4 * parts)
             x = g.input(QType.F32, (n, k))
-            y = g.output(g.mul_mat(self._tensor.tensor, x))
+            row, w = strides(x)[1], self._tensor.tensor
+            ys = [g.output(g.mul_mat(w, g.view(x, (k, n // parts), (row,), i * row))) for i in range(parts)]
             g.allocate(self.kernels.allocator)
-            self._graphs[n] = (g, view_of(x, QType.F32, (n, k)), view_of(y, QType.F32, (n, m)))
+            self._graphs[n] = (
+                g,
+                view_of(x, QType.F32, (n, k)),
+                [view_of(y, QType.F32, (n // parts, m)) for y in ys],
+            )
         return self._graphs[n]
 
 
@@ -767,7 +775,7 @@ class CodecDecoder:
         self.kernels = Kernels(threads)
         for matrix, columns in self.products():
             if columns <= GGML_COLUMNS:
-                matrix.kernels = self.kernels
+                matrix.kernels, matrix.by_column = self.kernels, columns == 1
         self.num_groups = self.quantizer.num_groups
         self.samples_per_frame = int(
             np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
