@@ -170,3 +170,28 @@ def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkey
     assert sum(counted) == decoder.macs_per_frame * frames
     if frames == 1:  # one product per weight
         assert len(counted) == len(list(decoder.products()))
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_the_products_floor_runs_a_decode_s_products(decoder, monkeypatch, in_order):
+    """`products_time` multiplies each weight by the columns a decode of 2 frames a push gives
+    it (numpy's layers one frame's columns at a time), each product `repeat` times in a row,
+    or `in_order` all of them one after another, `repeat` times."""
+    from kazeia_stream.engine import codec
+
+    calls = []
+    product = codec.Matrix.__call__
+
+    def counting(m, x, out=None):
+        calls.append((id(m), x.shape[1]))
+        return product(m, x, out)
+
+    monkeypatch.setattr(codec.Matrix, "__call__", counting)
+    assert decoder.products_time(2, repeat=3, in_order=in_order) > 0
+    each = [
+        [(id(m), 2 * columns)] if m.kernels else [(id(m), columns)] * 2 for m, columns in decoder.products()
+    ]
+    expected = (
+        [c for calls_of in each for c in calls_of] * 3 if in_order else [c for e in each for c in e * 3]
+    )
+    assert calls == expected

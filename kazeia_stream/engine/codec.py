@@ -921,24 +921,32 @@ class CodecDecoder:
         """Multiply-adds of the matrix products per frame (`products`)."""
         return sum(m.array.size * columns for m, columns in self.products())
 
-    def products_time(self, frames: int = 1, repeat: int = 3) -> float:
+    def products_time(self, frames: int = 1, repeat: int = 3, in_order: bool = False) -> float:
         """Seconds per frame that the matrix products alone take at `frames` frames per push,
         on the same kernels and shapes as a decode (the blocks' column pieces included), on
-        the decoder's threads: the floor its multiply-adds set. Best of `repeat`."""
+        the decoder's threads: the floor its multiply-adds set. Best of `repeat`: of each
+        product repeated (its weights then come from the caches), or, `in_order`, of all the
+        products one after the other as a decode runs them (weights from memory: the caches
+        hold a few percent of the 0.42 GB a frame reads)."""
         rng = np.random.default_rng(0)
-        total = 0.0
-        with self._threads(None):
-            for m, columns in self.products():
-                n = columns * frames
-                piece = n if m.kernels else columns  # as a decode calls it (see `_blocks`)
-                x = rng.standard_normal((m.array.shape[1], piece), dtype=F32)
-                best = math.inf
-                for _ in range(repeat):
-                    start = time.perf_counter()
-                    for _ in range(n // piece):
+        calls = []  # (product, input, calls per frame group, columns it stands for)
+        for m, columns in self.products():
+            n = columns * frames
+            piece = n if m.kernels else columns  # as a decode calls it (see `_blocks`)
+            calls.append((m, rng.standard_normal((m.array.shape[1], piece), dtype=F32), n // piece))
+
+        def run(group: Sequence[tuple[Matrix, np.ndarray, int]]) -> float:
+            best = math.inf
+            for _ in range(repeat):
+                start = time.perf_counter()
+                for m, x, count in group:
+                    for _ in range(count):
                         m(x)
-                    best = min(best, time.perf_counter() - start)
-                total += best * n / (n // piece * piece)
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        with self._threads(None):
+            total = run(calls) if in_order else sum(run([call]) for call in calls)
         return total / frames
 
     def _render(self, streams: _Streams, h: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
@@ -1067,7 +1075,12 @@ def _bench(argv: list[str] | None = None) -> None:
     for per in args.per_push or ([] if args.streams else [1, 4, 12]):
         measure(f"{per:3d} frames per push", partial(one_stream, per), args.frames)
         floor = dec.products_time(per, args.repeat) * 1e3
-        print(f"{per:3d} frames per push: {floor:6.1f} ms/frame for the matrix products alone", flush=True)
+        in_order = dec.products_time(per, args.repeat, in_order=True) * 1e3
+        print(
+            f"{per:3d} frames per push: {floor:6.1f} ms/frame for the matrix products alone, "
+            f"{in_order:.1f} in a decode's order (weights from memory)",
+            flush=True,
+        )
     for count in args.streams:
         frames = max(1, args.frames // count)  # per stream: about --frames in all
         measure(f"{count:3d} streams, 1 frame each per push", partial(streams, count, frames), frames * count)
