@@ -1,10 +1,11 @@
 """Several streams at once: one runtime's engines generate and decode many utterances together,
 and each one's audio is what it would be alone.
 
-Each stream's rows are products of their own (one-column kernels), so a stream's logits beside
-others are its solo ones bit for bit, its codes the same, at every weight type (see
-`test_a_talker_step_beside_others_is_its_lone_step_to_the_bit`); the decoder gives a column the
-same numbers whatever columns come with it, so its samples are the solo ones bit for bit too.
+A stream's rows share products with others' only where that gives them their own numbers, so a
+stream's logits beside others are its solo ones bit for bit, its codes the same, at every
+weight type (see `test_a_talker_step_beside_others_is_its_lone_step_to_the_bit`); the decoder
+gives a column the same numbers whatever columns come with it, so its samples are the solo
+ones bit for bit too.
 """
 
 from __future__ import annotations
@@ -321,19 +322,21 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
 
 @pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
 def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_type):
-    """Each stream's rows are products of their own (one-column kernels), so its hidden state
-    and logits do not depend on the streams beside it, at every weight type."""
+    """A stream's rows share products with other streams' only where ggml's kernel gives each
+    column its one-column numbers (Q8_0), else they are products of their own, so its hidden
+    state and logits do not depend on the streams beside it, at every weight type."""
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
-    runtime = kazeia_stream.Runtime(model, max_streams=2)
+    runtime = kazeia_stream.Runtime(model, max_streams=4)
     lm = runtime.talker.lm
     rows = (
-        np.random.default_rng(0).standard_normal((2, 9, model.config.talker.hidden_size)).astype(np.float32)
+        np.random.default_rng(0).standard_normal((4, 9, model.config.talker.hidden_size)).astype(np.float32)
     )
-    lm.forward_many([(0, rows[0], 0), (1, rows[1], 0)])
+    lm.forward_many([(s, rows[s], 0) for s in range(4)])
     step = rows[:, :1] * 0.5
-    together = lm.forward_many([(0, step[0], 9), (1, step[1], 9)])
-    alone = lm.forward_many([(0, step[0], 9)])
-    assert np.array_equal(together[0][0], alone[0][0]) and np.array_equal(together[1][0], alone[1][0])
+    hidden, logits = lm.forward_many([(s, step[s], 9) for s in range(4)])
+    for s in range(4):
+        alone_hidden, alone_logits = lm.forward_many([(s, step[s], 9)])
+        assert np.array_equal(hidden[s], alone_hidden[0]) and np.array_equal(logits[s], alone_logits[0])
 
 
 def test_the_interpreter_exits_only_after_the_pass_in_flight(tiny_gguf):

@@ -40,6 +40,11 @@ def dims(t: Tensor) -> tuple[int, ...]:
     return tuple(GGMLTensor.from_address(t).ne)
 
 
+def qtype(t: Tensor) -> QType:
+    """A tensor's type."""
+    return QType(GGMLTensor.from_address(t).type)
+
+
 def strides(t: Tensor) -> tuple[int, ...]:
     """A tensor's byte strides nb (ggml order)."""
     return tuple(GGMLTensor.from_address(t).nb)
@@ -300,6 +305,19 @@ class Graph:
         """Rows of `rows` written into `dst` at the rows `index` (I64) names."""
         return self._op(ggml.ggml_set_rows(self._ctx, dst, rows, index))
 
+    def join(self, pieces: Sequence[Tensor]) -> Tensor:
+        """Contiguous F32 pieces [M, n_i] (ggml order) as one [M, sum of n_i], each copied into
+        its columns (one piece is itself)."""
+        if len(pieces) == 1:
+            return pieces[0]
+        m, total = dims(pieces[0])[0], sum(dims(p)[1] for p in pieces)
+        out = _new(self._ctx, QType.F32, (total, m))  # type: ignore[arg-type]
+        row, start = strides(out)[1], 0
+        for p in pieces:
+            out = self._op(ggml.ggml_set_2d_inplace(self._ctx, out, p, row, start * row))
+            start += dims(p)[1]
+        return out
+
     def cont(self, a: Tensor) -> Tensor:
         return self._op(ggml.ggml_cont(self._ctx, a))
 
@@ -347,3 +365,52 @@ class Graph:
             self._ctx = None
 
     __del__ = close
+
+
+# The probe in `columns_agree`: the column counts it multiplies together (the several-column
+# kernel's tiles and their remainders), each compared with the columns multiplied alone
+_PROBE_COLUMNS = (2, 3, 5, 8)
+_agree: dict[tuple[QType, tuple[int, ...]], bool] = {}
+
+
+def columns_agree(w: Tensor) -> bool:
+    """Whether ggml's product of weight `w` (a matrix, or a stack of them: the first) by
+    several columns gives each column the numbers of its own one-column product: then the rows
+    of several sequences can share a product and each sequence's numbers are still the same
+    beside others as alone. Checked once per type and shape on this machine's kernels, with a
+    random input: true of Q8_0 here, while at F32 and F16 the several-column kernel rounds
+    otherwise."""
+    key = (qtype(w), dims(w))
+    if key not in _agree:
+        n = max(_PROBE_COLUMNS)
+        x = np.random.default_rng(0).standard_normal((n, dims(w)[0]), dtype=np.float32)
+        allocator = Allocator()
+        try:
+            alone = np.concatenate([_products(w, x[i : i + 1], allocator) for i in range(n)])
+            _agree[key] = all(
+                np.array_equal(_products(w, x[:count], allocator), alone[:count]) for count in _PROBE_COLUMNS
+            )
+        finally:
+            allocator.close()
+    return _agree[key]
+
+
+def _products(w: Tensor, x: np.ndarray, allocator: Allocator) -> np.ndarray:
+    """w (a stack's first matrix) times the rows of x [n, in], on one thread: [n, out]."""
+    n, k = x.shape
+    g = Graph(8)
+    try:
+        columns = g.input(QType.F32, (n, k))
+        if dims(w)[2] > 1:
+            index = g.input(QType.I32, (n, 1))
+            y = g.output(g.mul_mat_id(w, g.reshape(columns, k, 1, n), index))
+        else:
+            index, y = None, g.output(g.mul_mat(w, columns))
+        g.allocate(allocator)
+        view_of(columns, QType.F32, (n, k))[...] = x
+        if index is not None:
+            view_of(index, QType.I32, (n,))[...] = 0
+        g.compute(1)
+        return view_of(y, QType.F32, (n, dims(w)[1])).copy()
+    finally:
+        g.close()

@@ -33,14 +33,25 @@ from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
-from .ggml_graph import Allocator, Graph, Memory, Tensor, Weights, dims, strides, view_of
+from .ggml_graph import (
+    Allocator,
+    Graph,
+    Memory,
+    Tensor,
+    Weights,
+    columns_agree,
+    dims,
+    strides,
+    view_of,
+)
 from .threads import SharedCores
 
 # the weights of layer `bid` are named f"{bid}.{role}" (the roles of config.layer_shapes); then
 # "output_norm", and for a model that projects its inputs first (the 1.7B code predictor)
 # "proj" and "proj_bias"
-# graph nodes per part and layer (about 40), and per graph besides
-_NODES_PER_LAYER, _NODES_EXTRA = 48, 64
+# a graph's tensors, at most, per layer (about 80) and per part and layer (about 40); as many
+# again for the input projection, the final norm and the head
+_NODES_PER_LAYER, _NODES_PER_PART = 96, 48
 # rows of one part at most: a longer prefill runs as several calls
 MAX_PART = 512
 
@@ -91,24 +102,23 @@ class _Call:
     graph: Graph
     x: np.ndarray  # [rows, input width]
     positions: np.ndarray  # [rows] int32, RoPE
-    k_rows: np.ndarray  # [rows] int64: the K cache row of each
-    v_cells: np.ndarray  # [rows, kv_dim] int64: the V cache cell of each channel
+    k_rows: np.ndarray  # [rows] int64: the K cache row of each (the slots' rows end to end)
+    v_cells: np.ndarray  # [rows, kv_dim] int64: the V cache cell of each channel (likewise)
     masks: list[np.ndarray]  # per part [n, span]
-    hidden: list[np.ndarray]  # per output part [hidden]
-    logits: list[np.ndarray]  # per output part [head rows]
-    head_index: np.ndarray | None  # [1] int32: which matrix of a stacked (3-D) head
+    hidden: np.ndarray  # [output parts, hidden]
+    logits: np.ndarray  # [output parts, head rows]
+    head_index: np.ndarray | None  # [output parts] int32: which matrix of a stacked (3-D) head
 
 
 @dataclass
 class _Rows:
-    """One part inside a graph being built: its slot, row count, span and input tensors."""
+    """One part inside a graph being built: its slot, row count, span, first row among the
+    call's rows, and its mask input."""
 
     slot: int
     n: int
     span: int
-    positions: Tensor
-    k_rows: Tensor
-    v_cells: Tensor
+    start: int
     mask: Tensor
 
 
@@ -196,19 +206,19 @@ class Qwen3LM:
             layout.append((slot, len(rows), min(self.n_ctx, -(-end // self.bucket) * self.bucket), out))
         call = self._call((tuple(layout), head))
         start = 0
-        for (_, rows, pos), mask in zip(parts, call.masks):
+        for (slot, rows, pos), mask in zip(parts, call.masks):
             n = len(rows)
             at = np.arange(pos, pos + n)
             call.x[start : start + n] = rows
             call.positions[start : start + n] = at
-            call.k_rows[start : start + n] = at
-            call.v_cells[start : start + n] = self._channels + at[:, None]
+            call.k_rows[start : start + n] = slot * self.n_ctx + at
+            call.v_cells[start : start + n] = slot * self.n_ctx * self.kv_dim + self._channels + at[:, None]
             mask[...] = np.where(np.arange(mask.shape[1]) <= at[:, None], np.float32(0), np.float32(-np.inf))
             start += n
         if call.head_index is not None:
-            call.head_index[0] = head_index
+            call.head_index[...] = head_index
         call.graph.compute(self.cores.threads(self.threads))
-        return np.stack(call.hidden), np.stack(call.logits)
+        return call.hidden.copy(), call.logits.copy()
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last
@@ -226,106 +236,128 @@ class Qwen3LM:
     def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str) -> _Call:
         cfg, w = self.config, self.weights
         total = sum(n for _, n, _, _ in layout)
-        g = Graph(_NODES_PER_LAYER * cfg.num_layers * len(layout) + _NODES_EXTRA)
+        g = Graph((cfg.num_layers + 1) * (_NODES_PER_LAYER + _NODES_PER_PART * len(layout)))
         x = g.input(QType.F32, (total, self.input_width))
         positions = g.input(QType.I32, (total,))
         k_rows = g.input(QType.I64, (total,))
         v_cells = g.input(QType.I64, (total, self.kv_dim))
-        masks = [g.input(QType.F32, (n, span)) for _, n, span, _ in layout]
-        parts, xs, start = [], [], 0
-        x_row, v_row = strides(x)[1], strides(v_cells)[1]
-        for (slot, n, span, _), mask in zip(layout, masks):
-            xs.append(g.view(x, (self.input_width, n), (x_row,), start * x_row))
-            parts.append(
-                _Rows(
-                    slot,
-                    n,
-                    span,
-                    g.view(positions, (n,), offset=4 * start),
-                    g.view(k_rows, (n,), offset=8 * start),
-                    g.view(v_cells, (self.kv_dim * n,), offset=v_row * start),
-                    mask,
-                )
-            )
+        parts, start = [], 0
+        for slot, n, span, _ in layout:
+            parts.append(_Rows(slot, n, span, start, g.input(QType.F32, (n, span))))
             start += n
+        columns = [(p.start, p.n) for p in parts]
+        h = x
         if "proj" in w.tensors:
-            xs = [g.add(g.mul_mat(w["proj"], row), w["proj_bias"]) for row in xs]
+            h = g.add(self._product(g, "proj", h, columns), w["proj_bias"])
         for bid in range(cfg.num_layers):
-            xs = self._layer(g, bid, xs, parts)
-        stacked = dims(w[head])[2] > 1
-        index = g.input(QType.I32, (1, 1)) if stacked else None
-        hidden, logits = [], []
-        for y, part, (*_, out) in zip(xs, parts, layout):
-            if out:
-                row = strides(y)[1]
-                last = y if part.n == 1 else g.view(y, (cfg.hidden_size, 1), (row,), (part.n - 1) * row)
-                h = g.output(g.mul(g.rms_norm(last, cfg.rms_norm_eps), w["output_norm"]))
-                if index is None:
-                    logits.append(g.output(g.mul_mat(w[head], h)))
-                else:
-                    logits.append(g.output(g.mul_mat_id(w[head], g.reshape(h, cfg.hidden_size, 1, 1), index)))
-                hidden.append(h)
+            h = self._layer(g, bid, h, parts, positions, k_rows, v_cells)
+        outs = [p for p, (*_, out) in zip(parts, layout) if out]  # their last rows
+        row = strides(h)[1]
+        last = g.join([g.view(h, (cfg.hidden_size, 1), (row,), (p.start + p.n - 1) * row) for p in outs])
+        hidden = g.output(g.mul(g.rms_norm(last, cfg.rms_norm_eps), w["output_norm"]))
+        index = g.input(QType.I32, (len(outs), 1)) if dims(w[head])[2] > 1 else None
+        logits = g.output(self._product(g, head, hidden, [(i, 1) for i in range(len(outs))], index))
         g.allocate(self._allocator)
-        n_logits = dims(w[head])[1]
         return _Call(
             g,
             view_of(x, QType.F32, (total, self.input_width)),
             view_of(positions, QType.I32, (total,)),
             view_of(k_rows, QType.I64, (total,)),
             view_of(v_cells, QType.I64, (total, self.kv_dim)),
-            [view_of(m, QType.F32, (n, span)) for m, (_, n, span, _) in zip(masks, layout)],
-            [view_of(h, QType.F32, (cfg.hidden_size,)) for h in hidden],
-            [view_of(lg, QType.F32, (n_logits,)) for lg in logits],
-            None if index is None else view_of(index, QType.I32, (1,)),
+            [view_of(p.mask, QType.F32, (p.n, p.span)) for p in parts],
+            view_of(hidden, QType.F32, (len(outs), cfg.hidden_size)),
+            view_of(logits, QType.F32, (len(outs), dims(w[head])[1])),
+            None if index is None else view_of(index, QType.I32, (len(outs),)),
         )
 
-    def _layer(self, g: Graph, bid: int, xs: list[Tensor], parts: list[_Rows]) -> list[Tensor]:
-        """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over the parts, each op for every part
-        before the next op."""
+    def _product(
+        self, g: Graph, name: str, x: Tensor, parts: Sequence[tuple[int, int]], index: Tensor | None = None
+    ) -> Tensor:
+        """Weight `name` times the columns of x [in, rows], in parts (first column, count);
+        `index`: which matrix of a stacked weight each column takes.
+
+        Where ggml's several-column kernel gives each column its one-column numbers
+        (`columns_agree`: Q8_0 here), the first column is multiplied alone and the others
+        together: the several-column kernel reads a weight from memory several times slower
+        than the one-column one, from the cache about as fast, and the first product leaves the
+        weight in the cache (4 one-row parts on one thread: 46 against 57 ms for the talker's
+        products). Else each part is multiplied alone, as it would be without the others."""
+        w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
+        if index is not None:
+            x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
+        if rows > 1 and columns_agree(w):
+            parts = [(0, 1), (1, rows - 1)]
+        nb = strides(x)
+
+        def product(start: int, n: int) -> Tensor:
+            if index is None:
+                return g.mul_mat(w, g.view(x, (width, n), (nb[1],), start * nb[1]))
+            y = g.mul_mat_id(
+                w,
+                g.view(x, (width, 1, n), (nb[1], nb[2]), start * nb[2]),
+                g.view(index, (1, n), (4,), 4 * start),
+            )
+            return g.reshape(y, dims(y)[0], n)
+
+        return g.join([product(start, n) for start, n in parts])
+
+    def _layer(
+        self,
+        g: Graph,
+        bid: int,
+        x: Tensor,
+        parts: list[_Rows],
+        positions: Tensor,
+        k_rows: Tensor,
+        v_cells: Tensor,
+    ) -> Tensor:
+        """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over the call's rows x [hidden, rows]:
+        the row-wise ops on all the rows at once, the products as `_product` allows, the
+        attention per part."""
         cfg = self.config
         w = {role: self.weights[f"{bid}.{role}"] for role in layer_shapes(cfg)}
         hd, heads, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        total = dims(x)[1]
+        columns = [(p.start, p.n) for p in parts]
         k_cache, v_cache = self.cache[f"{bid}.k"], self.cache[f"{bid}.v"]
         knb, vnb = strides(k_cache), strides(v_cache)  # [kv_dim, n_ctx, slot], [n_ctx, kv_dim, slot]
 
-        def normed(x: Tensor, weight: str) -> Tensor:
-            return g.mul(g.rms_norm(x, eps), w[weight])
+        def normed(t: Tensor, weight: str) -> Tensor:
+            return g.mul(g.rms_norm(t, eps), w[weight])
 
-        def roped(x: Tensor, n_heads: int, weight: str, part: _Rows) -> Tensor:
-            heads_rows = g.reshape(x, hd, n_heads, part.n)
-            return g.rope_neox(normed(heads_rows, weight), part.positions, cfg.rope_theta)
+        def product(role: str, t: Tensor) -> Tensor:
+            return self._product(g, f"{bid}.{role}", t, columns)
 
-        hs = [normed(x, "attn_norm") for x in xs]
-        qs = [g.mul_mat(w["q"], h) for h in hs]
-        ks = [g.mul_mat(w["k"], h) for h in hs]
-        vs = [g.mul_mat(w["v"], h) for h in hs]
-        qs = [roped(q, heads, "q_norm", p) for q, p in zip(qs, parts)]
-        ks = [roped(k, kvh, "k_norm", p) for k, p in zip(ks, parts)]
-        for k, v, p in zip(ks, vs, parts):
-            k_plane = g.view(k_cache, (self.kv_dim, self.n_ctx), (knb[1],), p.slot * knb[2])
-            g.set_rows(k_plane, g.reshape(k, self.kv_dim, p.n), p.k_rows)
-            v_cells = g.view(v_cache, (1, self.n_ctx * self.kv_dim), (vnb[0],), p.slot * vnb[2])
-            g.set_rows(v_cells, g.reshape(v, 1, self.kv_dim * p.n), p.v_cells)
+        def roped(t: Tensor, n_heads: int, weight: str) -> Tensor:
+            return g.rope_neox(normed(g.reshape(t, hd, n_heads, total), weight), positions, cfg.rope_theta)
+
+        h = normed(x, "attn_norm")
+        q, k, v = product("q", h), product("k", h), product("v", h)
+        q, k = roped(q, heads, "q_norm"), roped(k, kvh, "k_norm")
+        # the slots' K rows end to end, and every V cell in a row: the indices say where
+        all_k = g.view(k_cache, (self.kv_dim, self.n_ctx * self.slots), (knb[1],))
+        g.set_rows(all_k, g.reshape(k, self.kv_dim, total), k_rows)
+        all_v = g.view(v_cache, (1, self.n_ctx * self.kv_dim * self.slots), (vnb[0],))
+        g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(v_cells, (self.kv_dim * total,)))
         attended = []
-        for q, p in zip(qs, parts):
+        qnb = strides(q)  # [hd, heads, rows]
+        for p in parts:
             keys = g.view(k_cache, (hd, p.span, kvh), (knb[1], hd * knb[0]), p.slot * knb[2])
             values = g.view(v_cache, (p.span, hd, kvh), (vnb[1], hd * vnb[1]), p.slot * vnb[2])
             # [hd, rows, heads]: a kv head serves `heads / kvh` query heads (ggml broadcasts)
-            q = g.reshape(q, hd, 1, heads) if p.n == 1 else g.permute(q, 0, 2, 1, 3)
-            scores = g.soft_max(g.mul_mat(keys, q), p.mask, 1.0 / math.sqrt(hd))
+            rows = g.view(q, (hd, p.n, heads), (qnb[2], qnb[1]), p.start * qnb[2])
+            scores = g.soft_max(g.mul_mat(keys, rows), p.mask, 1.0 / math.sqrt(hd))
             out = g.mul_mat(values, scores)  # [hd, rows, heads]
             if p.n > 1:
                 out = g.cont(g.permute(out, 0, 2, 1, 3))
             attended.append(g.reshape(out, hd * heads, p.n))
-        xs = [g.add(x, g.mul_mat(w["o"], a)) for x, a in zip(xs, attended)]
-        hs = [normed(x, "ffn_norm") for x in xs]
-        gates = [g.mul_mat(w["gate"], h) for h in hs]
-        ups = [g.mul_mat(w["up"], h) for h in hs]
-        acts = [g.swiglu(a, b) for a, b in zip(gates, ups)]
+        x = g.add(x, product("o", g.join(attended)))
+        h = normed(x, "ffn_norm")
+        act = g.swiglu(product("gate", h), product("up", h))
         scale = self._down_scale[bid]
         if scale != 1.0:
-            acts = [g.scale(a, scale) for a in acts]
-        downs = [g.mul_mat(w["down"], a) for a in acts]
+            act = g.scale(act, scale)
+        down = product("down", act)
         if scale != 1.0:
-            downs = [g.scale(d, 1.0 / scale) for d in downs]
-        return [g.add(x, d) for x, d in zip(xs, downs)]
+            down = g.scale(down, 1.0 / scale)
+        return g.add(x, down)
