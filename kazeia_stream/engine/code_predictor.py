@@ -8,7 +8,8 @@ Per frame (positions restart at 0): the inputs are h and C_talker(c0) at positio
 `codec_embedding[j-1](cb_j)` at position j + 1 for j = 1..14; every input goes through
 small_to_mtp_projection when the model has one (1.7B). Codebook j comes from `lm_head[j-1]` at
 the last row of step j. Every row is a part of its own (h and C_talker(c0) too: two one-row
-parts, the second attending to the first), so that every product is a one-column one.
+parts, the second attending to the first), so that its numbers are the same whatever rows run
+beside it (see `qwen3.Qwen3LM._product`).
 
 Weight types (`exact=False`, the default): the stored ones, except the F32 `ffn_down` that
 converters keep because its input peaks near 1.5e5, beyond F16 (ggml casts a product's input to

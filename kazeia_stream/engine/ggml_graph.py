@@ -2,10 +2,11 @@
 state in memory we own, and graphs built once per shape and replayed.
 
 libllama builds a graph, schedules it and copies its outputs at every decode (for the code
-predictor's 15 small passes per frame that overhead was a large part of the work), and its
-kernel for several rows cost 2.3x its one-row kernel for two rows here (streams side by side). Here a graph
-is a fixed list of ggml ops over fixed tensors: a replay is one `ggml_graph_compute` (GIL
-released), its inputs written into and its outputs read from numpy views of tensor memory.
+predictor's 15 small passes per frame that overhead was a large part of the work), and it
+multiplies a batch's rows with ggml's several-column kernel, which reads weights from memory
+several times slower than the one-column one (see `columns_agree`). Here a graph is a fixed
+list of ggml ops over fixed tensors: a replay is one `ggml_graph_compute` (GIL released), its
+inputs written into and its outputs read from numpy views of tensor memory.
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@ the code predictor are each one, with their own weights and KV cache.
 Rows come in parts: a part is n consecutive rows of one sequence (a slot of the KV cache) from
 a position on. A call's graph depends only on its parts' slots, row counts and attention spans
 and on the head it applies: positions, KV cache rows and masks are inputs written at each call,
-so a stream's steps replay one graph until its span grows past a bucket. Each part is its own
-chain of products, and a one-row part multiplies by ggml's one-column kernels: a row's numbers
-never depend on the other parts of its call (a stream's codes beside others are its solo ones,
-at every weight type), while the products of several parts with one weight run back to back,
-the weight in cache after the first. (ggml's several-column Q8_0 kernel cost 2.3x one column's
-for two columns on this project's machine.)
+so a stream's steps replay one graph until its span grows past a bucket. The call's rows go
+through each layer together: the row-wise ops once, the attention per part, and each product as
+`_product` allows, so that a row's numbers never depend on the other parts of its call (a
+stream's codes beside others are its solo ones, at every weight type).
 
 The KV cache, per layer and slot, is K as one row per position and V transposed (each
 channel's positions contiguous, as the attention's second product reads them), written by
