@@ -123,6 +123,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "ggml_rms_norm": ([_ctx, _t, _f], _t),
     "ggml_swiglu_split": ([_ctx, _t, _t], _t),
     "ggml_set_2d_inplace": ([_ctx, _t, _t, _c.c_size_t, _c.c_size_t], _t),
+    "ggml_pad": ([_ctx, _t, _c.c_int, _c.c_int, _c.c_int, _c.c_int], _t),
     "ggml_soft_max_ext": ([_ctx, _t, _t, _f, _f], _t),
     # ctx, a, positions, freq factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
     # ext_factor, attn_factor, beta_fast, beta_slow

@@ -307,14 +307,16 @@ class Graph:
         return self._op(ggml.ggml_set_rows(self._ctx, dst, rows, index))
 
     def join(self, pieces: Sequence[Tensor]) -> Tensor:
-        """Contiguous F32 pieces [M, n_i] (ggml order) as one [M, sum of n_i], each copied into
-        its columns (one piece is itself)."""
+        """Contiguous F32 pieces [M, n_i] (ggml order) as one [M, sum of n_i]: the first padded
+        with columns, the others copied into them. (A tensor made for the purpose would be a
+        leaf, which ggml's allocator keeps for the whole graph; the padded one is freed after its
+        last use.)"""
         if len(pieces) == 1:
             return pieces[0]
-        m, total = dims(pieces[0])[0], sum(dims(p)[1] for p in pieces)
-        out = _new(self._ctx, QType.F32, (total, m))  # type: ignore[arg-type]
-        row, start = strides(out)[1], 0
-        for p in pieces:
+        first, total = dims(pieces[0])[1], sum(dims(p)[1] for p in pieces)
+        out = self._op(ggml.ggml_pad(self._ctx, pieces[0], 0, total - first, 0, 0))
+        row, start = strides(out)[1], first
+        for p in pieces[1:]:
             out = self._op(ggml.ggml_set_2d_inplace(self._ctx, out, p, row, start * row))
             start += dims(p)[1]
         return out
