@@ -25,8 +25,7 @@ async def decode_frames(
 
     One frame per pass: a push of the frames that queued up while the decoder was busy would
     give the same samples (the decoder's numbers do not depend on the push), but measured no
-    faster through the pipeline (on 2 cores at 0.6B the decoder keeps up; one stream or four).
-    An utterance's first frame is decoded ahead of other
+    faster (see README, "How it works"). An utterance's first frame is decoded ahead of other
     streams' frames (alone, on every core, when no other stream runs). Sets `first_audio` once
     the first chunk exists, records the decoder's trace, the time of the first audio and the
     samples produced."""
