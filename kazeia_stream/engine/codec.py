@@ -468,7 +468,6 @@ class DecoderBlock:
         w = w.reshape(-1, len(b), w.shape[-1])
         self.up = CausalTransConv(w, b, stride=w.shape[-1] // 2)
         self.units = [ResidualUnit(f, bid, xid, d) for xid, d in enumerate(DILATIONS)]
-        self.frame_columns = 1  # input columns per frame (the decoder sets it)
 
     def new_state(self) -> tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]:
         return self.up.new_state(), [unit.new_state() for unit in self.units]
@@ -766,10 +765,6 @@ class CodecDecoder:
             self.upsample.append((CausalTransConv(w, b, stride=w.shape[-1]), ConvNeXtBlock(f, bid)))
         self.entry = CausalConv(*_conv(f, L.WAV_DAC_ENTRY))
         self.blocks = [DecoderBlock(f, bid) for bid in range(_count(f, L.WAV_DAC_UP_CONV))]
-        rate = int(np.prod([up.s for up, _ in self.upsample]))  # columns per frame
-        for block in self.blocks:
-            block.frame_columns = rate
-            rate *= block.up.s
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self.kernels = Kernels(threads)
@@ -958,26 +953,28 @@ class CodecDecoder:
         from there on one frame at a time (see `_blocks`). Every layer streams, so any split
         gives the same samples."""
         count = len(streams.states)
+        frames = h.shape[1] // count  # the transformer's output is a column per frame
         for (up, convnext), (tail, context) in zip(self.upsample, streams.upsample):
             h = convnext(context, up(tail, h))
-        joint = _blocks(self.blocks[:JOINT_BLOCKS], streams.blocks, [self.entry(streams.entry, h)], count)
+        joint = _blocks(
+            self.blocks[:JOINT_BLOCKS], streams.blocks, np.split(self.entry(streams.entry, h), frames, axis=1)
+        )
         for s, state in enumerate(streams.states):
             pieces = [p.reshape(p.shape[0], -1, count)[:, :, s] for p in joint]
-            for h in _blocks(self.blocks[JOINT_BLOCKS:], state.blocks[JOINT_BLOCKS:], pieces, 1):
+            for h in _blocks(self.blocks[JOINT_BLOCKS:], state.blocks[JOINT_BLOCKS:], pieces):
                 n = h.shape[1]
                 self.post_act(h, out=state.post_conv.input(n))
                 yield s, np.clip(self.post_conv.run(state.post_conv, n).reshape(-1), -1.0, 1.0)
 
 
 def _blocks(
-    blocks: Sequence[DecoderBlock], states: Sequence[BlockState], pieces: list[np.ndarray], streams: int
+    blocks: Sequence[DecoderBlock], states: Sequence[BlockState], pieces: list[np.ndarray]
 ) -> list[np.ndarray]:
-    """Decoder blocks on consecutive pieces [C, t * streams] of their input: the output pieces,
-    one frame's each (numpy's products then have the same columns whatever the push, and the
-    activations stay in the L2 cache)."""
+    """Decoder blocks on consecutive pieces of their input, one frame's each: the output
+    pieces, one frame's each (numpy's products then have the same columns whatever the push,
+    and the activations stay in the L2 cache)."""
     for block, state in zip(blocks, states):
-        step = block.frame_columns * streams
-        pieces = [block(state, p[:, i : i + step]) for p in pieces for i in range(0, p.shape[1], step)]
+        pieces = [block(state, p) for p in pieces]
     return pieces
 
 

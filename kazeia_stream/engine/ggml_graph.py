@@ -41,7 +41,7 @@ def dims(t: Tensor) -> tuple[int, ...]:
     return tuple(GGMLTensor.from_address(t).ne)
 
 
-def qtype(t: Tensor) -> QType:
+def type_of(t: Tensor) -> QType:
     """A tensor's type."""
     return QType(GGMLTensor.from_address(t).type)
 
@@ -239,8 +239,9 @@ class Allocator:
 
 class Graph:
     """One graph: ops added in the order they run (each is expanded into the graph as it is
-    made, so that ops of several rows on one weight run back to back while it is in cache),
-    its inputs and intermediate tensors placed once in its engine's `Allocator`, then
+    made: a read of the KV cache through a view comes after the same layer's `set_rows`, which
+    no dependency would order, and products with one weight run back to back while it is in
+    cache), its inputs and intermediate tensors placed once in its engine's `Allocator`, then
     `compute` replays it."""
 
     def __init__(self, max_nodes: int) -> None:
@@ -383,7 +384,7 @@ def columns_agree(w: Tensor) -> bool:
     beside others as alone. Checked once per type and shape on this machine's kernels, with a
     random input: true of Q8_0 here, while at F32 and F16 the several-column kernel rounds
     otherwise."""
-    key = (qtype(w), dims(w))
+    key = (type_of(w), dims(w))
     if key not in _agree:
         n = max(_PROBE_COLUMNS)
         x = np.random.default_rng(0).standard_normal((n, dims(w)[0]), dtype=np.float32)
