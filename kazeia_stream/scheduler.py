@@ -5,8 +5,8 @@ not take turns for a whole utterance: each asks for its next frame, and a genera
 one pass (`FrameLoop.next_frames`: one talker decode and one set of code-predictor passes) over
 every stream that asked since the last pass; a decoder thread likewise decodes the next frame of
 every stream that has one in one `CodecDecoder.push_many`. A pass over several streams reads
-each weight from memory once for all of them (the products of its rows run back to back), and
-no stream waits for another's whole utterance.
+each weight from memory once for all of them (the first stream's product leaves it in the cache
+for the others', see `Qwen3LM._product`), and no stream waits for another's whole utterance.
 
 - Admission: at most `max_streams` streams hold talker slots; the others wait in order (FIFO).
 - Continuous batching: a stream joins or leaves between passes; a pass waits up to `GATHER_S`
