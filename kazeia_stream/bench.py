@@ -62,7 +62,7 @@ def _figures(
     }
 
 
-def read_gb_s(threads: int, nbytes: int = 1 << 28, repeat: int = 3) -> float:
+def read_gb_s(threads: int, nbytes: int = 1 << 28, repeat: int = 5) -> float:
     """Memory read bandwidth on `threads` threads: numpy sums of a buffer of `nbytes` each, in
     Python threads (a large reduction releases the GIL), best of `repeat`."""
     buffers = [np.ones(nbytes // 4, np.float32) for _ in range(threads)]
@@ -102,23 +102,37 @@ def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
     }
 
 
+def pipeline_floor_ms(
+    generator_bytes: float, decoder_ms: float, beside_gb_s: float, alone_gb_s: float
+) -> float:
+    """A frame's floor in the pipeline: the decoder's products on one core while the generator
+    reads its weights beside it (`beside_gb_s`, the bandwidth of its threads then), and the
+    rest of the weights on all its threads once the decoder is done (`alone_gb_s`), as the
+    shared cores let it (`SharedCores`)."""
+    beside = beside_gb_s * 1e6 * decoder_ms  # bytes read while the decoder runs
+    if generator_bytes <= beside:
+        return decoder_ms
+    return decoder_ms + (generator_bytes - beside) / (alone_gb_s * 1e6)
+
+
 def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     """What this machine allows, measured now, beside the figures `measured` (`_figures`):
     the talker and the code predictor read their weights at the memory bandwidth of their
     threads, the decoder's matrix products run alone on its kernels and shapes (one frame per
-    push, as measured); the pipeline's floor puts the generator on one core's bandwidth
-    beside the decoder on another, and its frames take the longer of the two. `x_floor` is
-    each figure over its floor."""
+    push, as measured); the pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure
+    over its floor."""
     cost = costs(runtime)
     threads = runtime.threads.talker
-    bandwidth = {n: read_gb_s(n) for n in sorted({1, threads})}
+    beside = max(1, threads - runtime.threads.decoder)  # the generator's threads beside the decoder
+    bandwidth = {n: read_gb_s(n) for n in sorted({1, beside, threads})}
     floor_ms = {
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
     }
     floor_ms["decoder"] = 1e3 * runtime.codec.products_time(1)
-    generator_one_core = (cost["talker"]["bytes"] + cost["code_predictor"]["bytes"]) / bandwidth[1] / 1e6
+    generator_bytes = cost["talker"]["bytes"] + cost["code_predictor"]["bytes"]
     frame_ms = 1e3 * runtime.codec.samples_per_frame / runtime.model.sample_rate
-    floor_rtf = max(generator_one_core, floor_ms["decoder"]) / frame_ms
+    floor = pipeline_floor_ms(generator_bytes, floor_ms["decoder"], bandwidth[beside], bandwidth[threads])
+    floor_rtf = floor / frame_ms
     ms = measured["ms_per_frame"]
     return {
         "cost_per_frame": cost,

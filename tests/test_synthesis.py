@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 import kazeia_stream
-from kazeia_stream.bench import costs, median
+from kazeia_stream.bench import costs, median, pipeline_floor_ms
 from kazeia_stream.engine.frames import frame_cap
 from kazeia_stream.engine.threads import available_cores
 from kazeia_stream.model import gguf_layout as L
@@ -150,6 +150,17 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     x = result["x_floor"]
     assert set(x) == {*stages, "rtf"} and min(x.values()) > 0
     assert x["rtf"] == pytest.approx(result["rtf"] / result["floor_rtf"], rel=0.02)
+
+
+def test_the_pipeline_floor_lets_the_generator_take_the_cores_the_decoder_leaves():
+    """1 GB/s is 1 MB per ms. Beside a 50 ms decode the generator reads 50 MB at 1 GB/s, then
+    the rest at 3 GB/s: never faster than all its threads' bandwidth, never under the decode."""
+    assert pipeline_floor_ms(40e6, 50.0, 1.0, 3.0) == 50.0  # the decoder is the slower side
+    assert pipeline_floor_ms(80e6, 50.0, 1.0, 3.0) == pytest.approx(60.0)
+    for generator_bytes in (1e6, 60e6, 500e6):
+        floor = pipeline_floor_ms(generator_bytes, 50.0, 1.0, 3.0)
+        assert floor >= max(50.0, generator_bytes / 3e6)
+        assert floor <= 50.0 + generator_bytes / 3e6  # one after the other would take this
 
 
 def test_costs_count_the_bytes_the_engines_read(tiny_runtime):
