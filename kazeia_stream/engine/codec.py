@@ -181,41 +181,37 @@ class Matrix:
         self.kernels: Kernels | None = None
         self.by_column = False
         self._tensor: ArrayTensor | None = None
-        self._graphs: dict[int, tuple[Graph, np.ndarray, list[np.ndarray]]] = {}
+        self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """W @ x for x [in, n] (a column view of a buffer will do)."""
         if self.kernels is None:
             return _matmul(self.array, x, out)
-        graph, columns, results = self._graph(x.shape[1])
+        graph, columns, result = self._graph(x.shape[1])
         np.copyto(columns, x.T)
         graph.compute(self.kernels.threads)
-        result = results[0] if len(results) == 1 else np.concatenate(results)
         if out is None:  # a copy: the result's memory is the next product's (one buffer)
             return result.T.copy()
         np.copyto(out, result.T)
         return out
 
-    def _graph(self, n: int) -> tuple[Graph, np.ndarray, list[np.ndarray]]:
-        """The product's graph for n columns: one mul_mat (or one per column, `by_column`), its
-        input [n, in] and outputs [columns, out] (ggml's column-major orientation) as numpy
-        views."""
+    def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
+        """The product's graph for n columns: one mul_mat (or one per column, joined,
+        `by_column`), its input [n, in] and output [n, out] (ggml's column-major orientation)
+        as numpy views."""
         assert self.kernels is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
             m, k = self.array.shape
             parts = n if self.by_column else 1
-            g = Graph(4 * parts)
+            g = Graph(4 * parts + 4)
             x = g.input(QType.F32, (n, k))
             row, w = strides(x)[1], self._tensor.tensor
-            ys = [g.output(g.mul_mat(w, g.view(x, (k, n // parts), (row,), i * row))) for i in range(parts)]
+            y = g.join([g.mul_mat(w, g.view(x, (k, n // parts), (row,), i * row)) for i in range(parts)])
+            g.output(y)
             g.allocate(self.kernels.allocator)
-            self._graphs[n] = (
-                g,
-                view_of(x, QType.F32, (n, k)),
-                [view_of(y, QType.F32, (n // parts, m)) for y in ys],
-            )
+            self._graphs[n] = (g, view_of(x, QType.F32, (n, k)), view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
 
 
@@ -924,7 +920,7 @@ class CodecDecoder:
         products one after the other as a decode runs them (weights from memory: the caches
         hold a few percent of the 0.42 GB a frame reads)."""
         rng = np.random.default_rng(0)
-        calls = []  # (product, input, calls per frame group, columns it stands for)
+        calls = []  # (product, input, its calls per `frames` frames)
         for m, columns in self.products():
             n = columns * frames
             piece = n if m.kernels else columns  # as a decode calls it (see `_blocks`)
