@@ -89,6 +89,8 @@ SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 # the first block's 24 taps 768x768 by 32 columns 13.5 -> 10.9 ms, 384x384 by 160 even,
 # 192x192 by 640 11.2 -> 13.9 ms.
 GGML_COLUMNS = 64
+# Floats of padding after each column of a `by_column` product's input (a cache line).
+_ROW_PAD = 16
 
 F32 = np.float32
 
@@ -173,8 +175,9 @@ class Matrix:
     place; else on numpy's BLAS. A column's numbers must not depend on the columns that come
     with it (other frames of a push, other streams): ggml's several-column kernel gives the same
     numbers for any count of at least two, its one-column kernel others, so a layer of one
-    column per frame (`by_column`) multiplies each column alone; numpy's depend on the count,
-    and the decoder calls those layers with one frame's columns at a time."""
+    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
+    when the columns are not contiguous: they are read with a row of padding); numpy's depend
+    on the count, and the decoder calls those layers with one frame's columns at a time."""
 
     def __init__(self, w: np.ndarray) -> None:
         self.array = np.ascontiguousarray(w, dtype=F32)
@@ -196,22 +199,22 @@ class Matrix:
         return out
 
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
-        """The product's graph for n columns: one mul_mat (or one per column, joined,
-        `by_column`), its input [n, in] and output [n, out] (ggml's column-major orientation)
-        as numpy views."""
+        """The product's graph for n columns: one mul_mat, its input [n, in] and output
+        [n, out] (ggml's column-major orientation) as numpy views. `by_column`, the input's rows
+        are padded and the product reads a view of them (not contiguous: llamafile's
+        several-column kernel declines it, and ggml's own loop takes each column alone)."""
         assert self.kernels is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
             m, k = self.array.shape
-            parts = n if self.by_column else 1
-            g = Graph(4 * parts + 4)
-            x = g.input(QType.F32, (n, k))
-            row, w = strides(x)[1], self._tensor.tensor
-            y = g.join([g.mul_mat(w, g.view(x, (k, n // parts), (row,), i * row)) for i in range(parts)])
-            g.output(y)
+            width = k + _ROW_PAD if self.by_column else k
+            g = Graph(4)
+            x = g.input(QType.F32, (n, width))
+            columns = g.view(x, (k, n), (strides(x)[1],)) if self.by_column else x
+            y = g.output(g.mul_mat(self._tensor.tensor, columns))
             g.allocate(self.kernels.allocator)
-            self._graphs[n] = (g, view_of(x, QType.F32, (n, k)), view_of(y, QType.F32, (n, m)))
+            self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
 
 
