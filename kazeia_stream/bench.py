@@ -123,7 +123,8 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     over its floor."""
     cost = costs(runtime)
     threads = runtime.threads.talker
-    beside = max(1, threads - runtime.threads.decoder)  # the generator's threads beside the decoder
+    with runtime.cores.lend(runtime.threads.decoder):
+        beside = runtime.cores.threads(threads)  # the generator's threads beside the decoder
     bandwidth = {n: read_gb_s(n) for n in sorted({1, beside, threads})}  # GB/s on n threads
     floor_ms = {
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
