@@ -63,3 +63,31 @@ def test_draws_follow_the_tempered_distribution_and_the_seed():
     assert xs == [b(logits) for _ in range(4000)]
     freq = np.bincount(xs, minlength=3) / len(xs)
     assert np.allclose(freq, [0.6, 0.3, 0.1], atol=0.03)
+
+
+def test_a_draw_is_numpy_choice_over_the_warped_distribution():
+    """The draw is `rng.choice(n, p=softmax(warped))` itself (a seed's codes do not change
+    with how we compute it), ties at the k-th score and top-p included."""
+
+    def reference(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> int:
+        scores = logits.astype(np.float64) / p.temperature
+        kth = np.partition(scores, -p.top_k)[-p.top_k]
+        scores[scores < kth] = -np.inf
+        if p.top_p < 1.0:
+            order = np.argsort(scores)
+            probs = np.exp(scores[order] - scores.max())
+            drop = np.cumsum(probs / probs.sum()) <= 1.0 - p.top_p
+            drop[-1] = False
+            scores[order[drop]] = -np.inf
+        e = np.exp(scores - np.max(scores))
+        return int(rng.choice(len(e), p=e / e.sum()))
+
+    gen = np.random.default_rng(3)
+    for p in (Sampling(True, 0.9, 50, 1.0), Sampling(True, 0.7, 20, 0.8)):
+        for trial in range(40):
+            logits = (gen.standard_normal(2048) * 4).astype(np.float32)
+            logits[:30] = logits[0]  # ties
+            ours, theirs = np.random.default_rng(trial), np.random.default_rng(trial)
+            assert [warp_and_draw(logits, p, ours) for _ in range(25)] == [
+                reference(logits, p, theirs) for _ in range(25)
+            ]

@@ -15,10 +15,13 @@ from ..model.config import Sampling
 
 
 def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> int:
-    """Temperature, top-k, top-p (Hugging Face's warpers, in that order), then a draw."""
+    """Temperature, top-k, top-p (Hugging Face's warpers, in that order), then a draw: the
+    draw of `rng.choice(len(probs), p=probs)`, bit for bit, in about half the numpy calls
+    (between two code predictor passes each call runs on cold caches: ~0.2 ms a draw)."""
     if not p.do_sample:
         return int(np.argmax(logits))
-    scores = logits.astype(np.float64) / p.temperature
+    scores = logits.astype(np.float64)
+    scores /= p.temperature
     if 0 < p.top_k < len(scores):
         kth = np.partition(scores, -p.top_k)[-p.top_k]
         scores[scores < kth] = -np.inf
@@ -28,13 +31,15 @@ def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> 
         drop = np.cumsum(probs) <= 1.0 - p.top_p
         drop[-1] = False
         scores[order[drop]] = -np.inf
-    probs = _softmax(scores)
-    return int(rng.choice(len(probs), p=probs))
+    cdf = np.cumsum(_softmax(scores, out=scores), out=scores)  # choice's own steps
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - np.max(x))
-    return e / e.sum()
+def _softmax(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    e = np.exp(np.subtract(x, np.max(x), out=out), out=out)
+    e /= e.sum()
+    return e
 
 
 class CodeSampler:
