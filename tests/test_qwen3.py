@@ -42,15 +42,42 @@ def rows(model, n: int, seed: int = 0) -> np.ndarray:
 def test_a_kv_cache_is_resident_only_where_it_is_written(model):
     n_ctx = 65536
     cfg = model.config.talker
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * n_ctx * 4  # F32: F32 weights
+    kv_dim = cfg.num_kv_heads * cfg.head_dim
+    kv_bytes = 2 * cfg.num_layers * kv_dim * n_ctx * 4  # F32: F32 weights
     assert kv_bytes >= 32 * MB
     talker = Talker(model.talker_file, cfg, 1, n_ctx=n_ctx)
     hidden, _ = talker.prefill(TalkerState(), rows(model, 5))
-    # 5 positions: a page of K rows and a page per V channel, per layer
-    assert resident_at(ggml.ggml_get_data(talker.lm.cache["0.k"])) < kv_bytes / 16
+    # 5 positions: a page of K rows and V's first block (a page per V channel would be more)
+    page = 4096
+    v_block = kv_dim * talker.lm.v_block * 4
+    assert v_block < kv_dim * page
+    resident = resident_at(ggml.ggml_get_data(talker.lm.cache["0.k"]))
+    assert resident <= cfg.num_layers * (page + -(-v_block // page) * page)
     # nothing was cleared or filled: a prefill gives the hidden state of a small cache
     expected, _ = Talker(model.talker_file, cfg, 1, n_ctx=64).prefill(TalkerState(), rows(model, 5))
     assert np.array_equal(hidden, expected)
+
+
+def test_v_in_blocks_gives_the_results_of_one_block_beyond_rounding(model, monkeypatch):
+    """Past its first V block a step sums one product per block: the hidden states and logits
+    of V in one block, to the sum's rounding."""
+    from kazeia_stream.engine import qwen3
+
+    def steps(talker: Talker) -> list[tuple[np.ndarray, np.ndarray]]:
+        state = TalkerState()
+        talker.prefill(state, rows(model, 5))
+        return [talker.step(state, row) for row in rows(model, 40, 2)]
+
+    whole = steps(Talker(model.talker_file, model.config.talker, 1))
+    monkeypatch.setattr(qwen3, "V_BLOCK", 8)
+    talker = Talker(model.talker_file, model.config.talker, 1)
+    talker.lm.bucket = 8
+    assert talker.lm.v_block == 8
+    blocks = steps(talker)
+    assert any(span > 8 for layout, _ in talker.lm._graphs for _, _, span, _ in layout)
+    for (h0, l0), (h1, l1) in zip(whole, blocks):
+        assert np.abs(h1 - h0).max() <= 1e-5 * np.abs(h0).max()
+        assert np.abs(l1 - l0).max() <= 1e-5 * np.abs(l0).max()
 
 
 def test_steps_within_a_span_bucket_replay_one_graph(model):

@@ -9,12 +9,14 @@ through each layer together: the row-wise ops once, the attention per part, and 
 `_product` allows, so that a row's numbers never depend on the other parts of its call (a
 stream's codes beside others are its solo ones, at every weight type).
 
-The KV cache, per layer and slot, is K as one row per position and V transposed (each
-channel's positions contiguous, as the attention's second product reads them), written by
-ggml's set_rows at the rows' positions, in memory that is resident only where written
-(`Memory`). A part attends over the first `span` positions of its slot (its end rounded up to a
-bucket) with the cells after each row's own position masked, so a slot needs no clearing: a
-later utterance overwrites the cells it uses.
+The KV cache, per layer and slot, is K as one row per position and V transposed in blocks of
+`V_BLOCK` positions (in a block, each channel's positions contiguous, as the attention's
+second product reads them: one product per block), written by ggml's set_rows at the rows'
+positions, in memory that is resident only where written (`Memory`): a slot holds the blocks
+its positions reached, where whole transposed rows would put a page of every channel in
+memory at its first position. A part attends over the first `span` positions of its slot (its
+end rounded up to a bucket) with the cells after each row's own position masked, so a slot
+needs no clearing: a later utterance overwrites the cells it uses.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ from .threads import SharedCores
 _NODES_PER_LAYER, _NODES_PER_PART = 96, 48
 # rows of one part at most: a longer prefill runs as several calls
 MAX_PART = 512
+# positions per block of the transposed V cache: a block of a layer's channels is 0.5 MiB at
+# the 0.6B's 1024 channels in F16 (all 2048 positions' rows: 4 MiB, resident from the first)
+V_BLOCK = 256
+# a graph's tensors per layer, part and V block after the first (two views, a product, a sum)
+_NODES_PER_BLOCK = 4
 
 
 def weight_names(layer: dict[str, str], n_layers: int) -> dict[str, str]:
@@ -148,13 +155,15 @@ class Qwen3LM:
         self.cores = cores or SharedCores(threads)
         self._down_scale = list(down_scale or [1.0] * cfg.num_layers)
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.v_block = min(V_BLOCK, n_ctx)
+        self.v_blocks = -(-n_ctx // self.v_block)
         kv = QType.F32 if kv_f32 else QType.F16
-        specs = {}
+        specs: dict[str, tuple[QType, tuple[int, ...]]] = {}
         for bid in range(cfg.num_layers):
             specs[f"{bid}.k"] = (kv, (slots, n_ctx, self.kv_dim))
-            specs[f"{bid}.v"] = (kv, (slots, self.kv_dim, n_ctx))  # transposed
+            specs[f"{bid}.v"] = (kv, (slots, self.v_blocks, self.kv_dim, self.v_block))  # transposed
         self.cache = Memory(specs)
-        self._channels = np.arange(self.kv_dim, dtype=np.int64) * n_ctx
+        self._channels = np.arange(self.kv_dim, dtype=np.int64) * self.v_block
         self._allocator = Allocator()  # one compute buffer for all the graphs
         self._graphs: OrderedDict[_Shape, _Call] = OrderedDict()
 
@@ -210,7 +219,10 @@ class Qwen3LM:
             call.x[start : start + n] = rows
             call.positions[start : start + n] = at
             call.k_rows[start : start + n] = slot * self.n_ctx + at
-            call.v_cells[start : start + n] = slot * self.n_ctx * self.kv_dim + self._channels + at[:, None]
+            cell = (
+                slot * self.v_blocks + at // self.v_block
+            ) * self.kv_dim * self.v_block + at % self.v_block
+            call.v_cells[start : start + n] = cell[:, None] + self._channels
             mask[...] = np.where(np.arange(mask.shape[1]) <= at[:, None], np.float32(0), np.float32(-np.inf))
             start += n
         if call.head_index is not None:
@@ -234,7 +246,10 @@ class Qwen3LM:
     def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str) -> _Call:
         cfg, w = self.config, self.weights
         total = sum(n for _, n, _, _ in layout)
-        g = Graph((cfg.num_layers + 1) * (_NODES_PER_LAYER + _NODES_PER_PART * len(layout)))
+        per_parts = sum(
+            _NODES_PER_PART + _NODES_PER_BLOCK * (span // self.v_block) for _, _, span, _ in layout
+        )
+        g = Graph((cfg.num_layers + 1) * (_NODES_PER_LAYER + per_parts))
         x = g.input(QType.F32, (total, self.input_width))
         positions = g.input(QType.I32, (total,))
         k_rows = g.input(QType.I64, (total,))
@@ -299,6 +314,24 @@ class Qwen3LM:
 
         return g.join([product(start, n) for start, n in parts])
 
+    def _attended(self, g: Graph, v_cache: Tensor, scores: Tensor, p: _Rows) -> Tensor:
+        """The values weighted by scores [span, rows, heads] of part p: one product per V
+        block its span reaches, summed (a span within one block: the one product)."""
+        cfg, vnb, snb = self.config, strides(v_cache), strides(scores)
+        hd, kvh = cfg.head_dim, cfg.num_kv_heads
+        out = None
+        for first in range(0, p.span, self.v_block):
+            n = min(self.v_block, p.span - first)
+            at = p.slot * vnb[3] + first // self.v_block * vnb[2]
+            values = g.view(v_cache, (n, hd, kvh), (vnb[1], hd * vnb[1]), at)
+            weights = (
+                scores if n == p.span else g.view(scores, (n, p.n, cfg.num_heads), snb[1:3], first * snb[0])
+            )
+            piece = g.mul_mat(values, weights)
+            out = piece if out is None else g.add(out, piece)
+        assert out is not None
+        return out
+
     def _layer(
         self,
         g: Graph,
@@ -318,7 +351,8 @@ class Qwen3LM:
         total = dims(x)[1]
         columns = [(p.start, p.n) for p in parts]
         k_cache, v_cache = self.cache[f"{bid}.k"], self.cache[f"{bid}.v"]
-        knb, vnb = strides(k_cache), strides(v_cache)  # [kv_dim, n_ctx, slot], [n_ctx, kv_dim, slot]
+        # [kv_dim, n_ctx, slot], [position in block, kv_dim, block, slot]
+        knb, vnb = strides(k_cache), strides(v_cache)
 
         def normed(t: Tensor, weight: str) -> Tensor:
             return g.mul(g.rms_norm(t, eps), w[weight])
@@ -335,17 +369,16 @@ class Qwen3LM:
         # the slots' K rows end to end, and every V cell in a row: the indices say where
         all_k = g.view(k_cache, (self.kv_dim, self.n_ctx * self.slots), (knb[1],))
         g.set_rows(all_k, g.reshape(k, self.kv_dim, total), k_rows)
-        all_v = g.view(v_cache, (1, self.n_ctx * self.kv_dim * self.slots), (vnb[0],))
+        all_v = g.view(v_cache, (1, vnb[3] // vnb[0] * self.slots), (vnb[0],))
         g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(v_cells, (self.kv_dim * total,)))
         attended = []
         qnb = strides(q)  # [hd, heads, rows]
         for p in parts:
             keys = g.view(k_cache, (hd, p.span, kvh), (knb[1], hd * knb[0]), p.slot * knb[2])
-            values = g.view(v_cache, (p.span, hd, kvh), (vnb[1], hd * vnb[1]), p.slot * vnb[2])
             # [hd, rows, heads]: a kv head serves `heads / kvh` query heads (ggml broadcasts)
             rows = g.view(q, (hd, p.n, heads), (qnb[2], qnb[1]), p.start * qnb[2])
             scores = g.soft_max(g.mul_mat(keys, rows), p.mask, 1.0 / math.sqrt(hd))
-            out = g.mul_mat(values, scores)  # [hd, rows, heads]
+            out = self._attended(g, v_cache, scores, p)  # [hd, rows, heads]
             if p.n > 1:
                 out = g.cont(g.permute(out, 0, 2, 1, 3))
             attended.append(g.reshape(out, hd * heads, p.n))
