@@ -57,8 +57,9 @@ MAX_PART = 512
 # positions per block of the transposed V cache: a block of a layer's channels is 0.5 MiB at
 # the 0.6B's 1024 channels in F16 (all 2048 positions' rows: 4 MiB, resident from the first)
 V_BLOCK = 256
-# a graph's tensors per layer, part and V block after the first (two views, a product, a sum)
-_NODES_PER_BLOCK = 4
+# a graph's tensors per layer, part and V block after the first (two views, a copy, a product,
+# a sum)
+_NODES_PER_BLOCK = 5
 
 
 def weight_names(layer: dict[str, str], n_layers: int) -> dict[str, str]:
@@ -324,9 +325,10 @@ class Qwen3LM:
             n = min(self.v_block, p.span - first)
             at = p.slot * vnb[3] + first // self.v_block * vnb[2]
             values = g.view(v_cache, (n, hd, kvh), (vnb[1], hd * vnb[1]), at)
-            weights = (
-                scores if n == p.span else g.view(scores, (n, p.n, cfg.num_heads), snb[1:3], first * snb[0])
-            )
+            weights = scores
+            if n < p.span:  # contiguous for several rows: ggml's several-column kernel wants it
+                weights = g.view(scores, (n, p.n, cfg.num_heads), snb[1:3], first * snb[0])
+                weights = g.cont(weights) if p.n > 1 else weights
             piece = g.mul_mat(values, weights)
             out = piece if out is None else g.add(out, piece)
         assert out is not None
