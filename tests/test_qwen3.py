@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import re
+import ctypes
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -10,22 +11,27 @@ import pytest
 
 import kazeia_stream
 from kazeia_stream.engine.talker import Talker, TalkerState
-from kazeia_stream.ggml_lib import ggml
 
 MB = 1 << 20
 
 
-def resident_at(address: int) -> int:
-    """Resident bytes of the mapping that holds `address` (Linux's smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping's first line
-            start, end = (int(a, 16) for a in fields[0].split("-"))
-            inside = start <= address < end
-        elif inside and fields[0] == "Rss:":
-            return int(fields[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+def resident(address: int, size: int) -> int:
+    """Bytes of [address, address + size) in memory (mincore: smaps would count a whole
+    mapping, which the kernel may have merged with its neighbours)."""
+    page = mmap.PAGESIZE
+    start = address // page * page
+    pages = -(-(address + size - start) // page)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vector) * page
+
+
+def cache_resident(talker: Talker) -> int:
+    """Resident bytes of the talker's KV cache."""
+    memory = talker.lm.cache
+    return resident(memory._bytes.ctypes.data, memory._bytes.nbytes)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,7 @@ def rows(model, n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux")
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
 def test_a_kv_cache_is_resident_only_where_it_is_written(model):
     n_ctx = 65536
     cfg = model.config.talker
@@ -47,15 +53,34 @@ def test_a_kv_cache_is_resident_only_where_it_is_written(model):
     assert kv_bytes >= 32 * MB
     talker = Talker(model.talker_file, cfg, 1, n_ctx=n_ctx)
     hidden, _ = talker.prefill(TalkerState(), rows(model, 5))
-    # 5 positions: a page of K rows and V's first block (a page per V channel would be more)
-    page = 4096
+    # 5 positions: per layer, the K rows a step reads (its span) and V's first block, give or
+    # take a page each (a page of every V channel, as whole transposed rows, would be more)
+    page = mmap.PAGESIZE
+    k_span = talker.lm.bucket * kv_dim * 4
     v_block = kv_dim * talker.lm.v_block * 4
-    assert v_block < kv_dim * page
-    resident = resident_at(ggml.ggml_get_data(talker.lm.cache["0.k"]))
-    assert resident <= cfg.num_layers * (page + -(-v_block // page) * page)
+    assert v_block + page < kv_dim * page
+    assert cache_resident(talker) <= cfg.num_layers * (k_span + v_block + 2 * page)
     # nothing was cleared or filled: a prefill gives the hidden state of a small cache
     expected, _ = Talker(model.talker_file, cfg, 1, n_ctx=64).prefill(TalkerState(), rows(model, 5))
     assert np.array_equal(hidden, expected)
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
+def test_a_finished_utterance_gives_back_all_but_the_rows_its_slot_keeps(model):
+    cfg = model.config.talker
+    kv_dim, page = cfg.num_kv_heads * cfg.head_dim, mmap.PAGESIZE
+    talker = Talker(model.talker_file, cfg, 1, n_ctx=65536)  # F32 cache: F32 weights
+    prompt, kept = rows(model, 700), 300
+    first = talker.prefill(TalkerState(), prompt, n_fixed=kept)
+    before = cache_resident(talker)
+    talker.release(TalkerState())
+    # per layer: the kept K rows and the V blocks they reach, give or take a page each
+    v_blocks = -(-kept // talker.lm.v_block) * kv_dim * talker.lm.v_block * 4
+    bound = cfg.num_layers * (kept * kv_dim * 4 + v_blocks + 4 * page)
+    assert cache_resident(talker) <= bound < before
+    # the kept rows are intact: the next utterance computes only the rows after them
+    again = talker.prefill(TalkerState(), prompt, n_fixed=kept)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
 
 
 def test_v_in_blocks_gives_the_results_of_one_block_beyond_rounding(model, monkeypatch):

@@ -170,9 +170,11 @@ class FrameLoop:
         )
 
     def finish(self, state: FrameState) -> None:
-        """Give the utterance's talker slot back (once; its fixed rows stay cached there)."""
+        """Give the utterance's talker slot back (once; its fixed rows stay cached there, the
+        memory of its other cells goes back to the kernel)."""
         state.done = True
         if state.talker.seq not in self.free:
+            self.talker.release(state.talker)
             self.free.append(state.talker.seq)
 
     def slot_for(self, prompt: Prompt, take: bool = True) -> int | None:

@@ -140,6 +140,18 @@ class Memory(_Tensors):
             self.place(name, qtype, shape, self._bytes.ctypes.data + offset)
             offset += size
 
+    def release(self, start: int, end: int) -> None:
+        """Give the kernel back the pages that lie wholly within addresses [start, end) of this
+        memory: they read as zeros again, and are resident again only once written (where the
+        memory is a mapping of our own; else nothing changes)."""
+        mapping = getattr(self._bytes.base, "obj", None)  # under np.frombuffer's memoryview
+        if not isinstance(mapping, mmap.mmap):
+            return
+        base, page = self._bytes.ctypes.data, mmap.PAGESIZE
+        first, last = -(-(start - base) // page) * page, (end - base) // page * page
+        if first < last:
+            mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+
 
 class Weights(_Tensors):
     """A model's weights as ggml tensors of their stored types, in place in the GGUF file's

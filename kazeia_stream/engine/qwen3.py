@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from ..ggml_lib import quantize
+from ..ggml_lib import ggml, quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
@@ -230,6 +230,19 @@ class Qwen3LM:
             call.head_index[...] = head_index
         call.graph.compute(self.cores.threads(self.threads))
         return call.hidden.copy(), call.logits.copy()
+
+    def release(self, slot: int, keep: int) -> None:
+        """Give back the memory of slot `slot`'s cells from position `keep` on (its utterance
+        has ended; the rows before `keep` stay cached): an idle slot holds only what it keeps.
+        Those cells read as zeros until written again; no step reads a cell its own utterance
+        has not written (the masks)."""
+        for bid in range(self.config.num_layers):
+            k, v = self.cache[f"{bid}.k"], self.cache[f"{bid}.v"]
+            knb, vnb = strides(k), strides(v)  # [kv_dim, n_ctx, slot], [.., .., block, slot]
+            start = ggml.ggml_get_data(k) + slot * knb[2]
+            self.cache.release(start + keep * knb[1], start + knb[2])
+            start = ggml.ggml_get_data(v) + slot * vnb[3]
+            self.cache.release(start + -(-keep // self.v_block) * vnb[2], start + vnb[3])
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last

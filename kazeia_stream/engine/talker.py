@@ -119,6 +119,12 @@ class Talker:
         state.pos += 1
         return out
 
+    def release(self, state: TalkerState) -> None:
+        """The utterance has ended: its slot gives back the memory of every cell but the fixed
+        rows it keeps (`Qwen3LM.release`)."""
+        kept = self._fixed[state.seq]
+        self.lm.release(state.seq, 0 if kept is None else len(kept))
+
     def room(self, state: TalkerState) -> int:
         """Positions left in the context for this utterance."""
         return self.n_ctx - state.pos
