@@ -156,6 +156,21 @@ def test_pipe_write_errors_are_reported_but_a_closed_reader_is_not(model):
     assert r.returncode == 1 and one_line(err, "cannot write to stdout", "No space left"), err
 
 
+# a CLI process that prints each thread's stack on SIGABRT (Python's faulthandler)
+DUMPING = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
+def exit_status(proc: subprocess.Popen, sig: signal.Signals) -> int:
+    """The exit status of a process started with `DUMPING` env that was sent `sig`, within a
+    minute; else the test fails with where its threads wait."""
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"still running 60 s after {sig.name}:\n{err.decode(errors='replace')[-8000:]}")
+
+
 @pytest.mark.parametrize(
     "sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
 )
@@ -165,13 +180,14 @@ def test_a_signal_during_pipe_output_ends_it_in_one_line(model, sig, code, word)
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env=DUMPING,
     )
     proc.stdin.write((LONG + "\n").encode())
     proc.stdin.flush()
     got = proc.stdout.read(1920 * 2)  # audio has started
     proc.send_signal(sig)
     got += proc.stdout.read()
-    assert proc.wait(timeout=60) == code
+    assert exit_status(proc, sig) == code
     err = proc.stderr.read().decode().strip()
     assert one_line(err, word), err
     assert len(got) >= 1920 * 2 and len(got) % 2 == 0
@@ -185,6 +201,7 @@ def test_a_signal_while_writing_a_file_keeps_the_audio_so_far(model, tmp_path, s
     proc = subprocess.Popen(
         [sys.executable, "-m", "kazeia_stream", LONG, "-o", str(out), "--model", model],
         stderr=subprocess.PIPE,
+        env=DUMPING,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the temporary file holds some audio
@@ -193,7 +210,7 @@ def test_a_signal_while_writing_a_file_keeps_the_audio_so_far(model, tmp_path, s
             break
         time.sleep(0.05)
     proc.send_signal(sig)
-    assert proc.wait(timeout=60) == code
+    assert exit_status(proc, sig) == code
     err = proc.stderr.read().decode().strip()
     assert one_line(err, word), err
     pcm, rate = sf.read(str(out), dtype="float32")
