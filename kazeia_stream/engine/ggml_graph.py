@@ -140,15 +140,15 @@ class Memory(_Tensors):
             self.place(name, qtype, shape, self._bytes.ctypes.data + offset)
             offset += size
 
-    def release(self, start: int, end: int) -> None:
-        """Give the kernel back the pages that lie wholly within addresses [start, end) of this
-        memory: they read as zeros again, and are resident again only once written (where the
+    def release(self, name: str, start: int, end: int) -> None:
+        """Give the kernel back the pages that lie wholly within bytes [start, end) of tensor
+        `name`: they read as zeros again, and are resident again only once written (where the
         memory is a mapping of our own; else nothing changes)."""
         mapping = getattr(self._bytes.base, "obj", None)  # under np.frombuffer's memoryview
         if not isinstance(mapping, mmap.mmap):
             return
-        base, page = self._bytes.ctypes.data, mmap.PAGESIZE
-        first, last = -(-(start - base) // page) * page, (end - base) // page * page
+        at, page = ggml.ggml_get_data(self[name]) - self._bytes.ctypes.data, mmap.PAGESIZE
+        first, last = -(-(at + start) // page) * page, (at + end) // page * page
         if first < last:
             mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 

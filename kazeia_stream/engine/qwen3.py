@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from ..ggml_lib import ggml, quantize
+from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
@@ -220,9 +220,8 @@ class Qwen3LM:
             call.x[start : start + n] = rows
             call.positions[start : start + n] = at
             call.k_rows[start : start + n] = slot * self.n_ctx + at
-            cell = (
-                slot * self.v_blocks + at // self.v_block
-            ) * self.kv_dim * self.v_block + at % self.v_block
+            block = slot * self.v_blocks + at // self.v_block
+            cell = block * self.kv_dim * self.v_block + at % self.v_block
             call.v_cells[start : start + n] = cell[:, None] + self._channels
             mask[...] = np.where(np.arange(mask.shape[1]) <= at[:, None], np.float32(0), np.float32(-np.inf))
             start += n
@@ -237,12 +236,10 @@ class Qwen3LM:
         Those cells read as zeros until written again; no step reads a cell its own utterance
         has not written (the masks)."""
         for bid in range(self.config.num_layers):
-            k, v = self.cache[f"{bid}.k"], self.cache[f"{bid}.v"]
-            knb, vnb = strides(k), strides(v)  # [kv_dim, n_ctx, slot], [.., .., block, slot]
-            start = ggml.ggml_get_data(k) + slot * knb[2]
-            self.cache.release(start + keep * knb[1], start + knb[2])
-            start = ggml.ggml_get_data(v) + slot * vnb[3]
-            self.cache.release(start + -(-keep // self.v_block) * vnb[2], start + vnb[3])
+            k, v = f"{bid}.k", f"{bid}.v"
+            knb, vnb = strides(self.cache[k]), strides(self.cache[v])  # [.., n_ctx, slot], [.., block, slot]
+            self.cache.release(k, slot * knb[2] + keep * knb[1], (slot + 1) * knb[2])
+            self.cache.release(v, slot * vnb[3] + -(-keep // self.v_block) * vnb[2], (slot + 1) * vnb[3])
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last
