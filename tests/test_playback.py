@@ -142,7 +142,8 @@ def test_plays_signal_exactly_in_real_time(pulse_null_sink) -> None:
     assert span_wall == pytest.approx(2.0, abs=0.1)  # real time, not faster
     assert heard - t0 < 0.35  # device latency 0.2 s + one period
     assert -0.02 < t_done - ended < 0.06  # done = heard, not just handed to the device
-    assert 2.0 <= wall < 2.0 + 0.4
+    # the sink's clock may run a few ms a second off the monotonic one (1.995 s a span seen)
+    assert 2.0 - 0.02 <= wall < 2.0 + 0.4
     assert player.underruns == 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -119,8 +120,17 @@ async def test_a_slow_consumer_holds_the_producers_back(runtime):
 @pytest.mark.skipif(kazeia_stream.Threads.default().cores < 2, reason="lends a core: needs 2")
 async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime, monkeypatch):
     threads = []  # the thread count of each graph the talker and the code predictor ran
+    several = set()  # the OS threads that ran a graph on several threads (libgomp pools)
     compute = Graph.compute
-    monkeypatch.setattr(Graph, "compute", lambda graph, n: threads.append(n) or compute(graph, n))
+
+    def counted(graph: Graph, n: int) -> None:
+        if threading.current_thread().name != "kazeia-decoder":
+            threads.append(n)
+        if n > 1:
+            several.add(threading.get_native_id())
+        compute(graph, n)
+
+    monkeypatch.setattr(Graph, "compute", counted)
     async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         await collect(utterance)
@@ -133,6 +143,8 @@ async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime,
         cores = runtime.threads.cores
         lent = threads.index(cores - 1)
         assert cores in threads[lent:] and runtime.cores.lent == 0
+        # one thread runs graphs on several threads, the decoder's first frame alone included
+        assert len(several) == 1
 
 
 async def test_errors_surface_in_the_iteration_and_the_session_survives(runtime, offline):

@@ -29,12 +29,12 @@ context buffer, which the producer writes into directly. Several streams' activa
 [channels, time * streams], stream index fastest, so that a tap stays one column view and
 each multiplication reads its weights once for all the streams: the layers whose weights are
 large and columns few (up to the first decoder block) run so, on the streams' states stacked
-for the call; the later blocks run per stream. Each push sets its own thread count for both
-kinds of product (threadpoolctl for BLAS; one by default, whatever numpy's setting): the
-GEMMs are many and small, and OpenBLAS' threads spin after each one, taking the core that
-ggml's threads need (a second BLAS thread made the talker's next step ~2x slower, and
-synthesis of the tiny test models 30-80x). `python -m kazeia_stream.engine.codec MMPROJ`
-measures ms per frame.
+for the call; the later blocks run per stream. Each push sets its own BLAS thread count
+(threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small, and
+OpenBLAS' threads spin after each one, taking the core that ggml's threads need (a second BLAS
+thread made the talker's next step ~2x slower, and synthesis of the tiny test models 30-80x).
+The products on ggml's kernels run on one thread (`DECODER_GGML_THREADS`). `python -m
+kazeia_stream.engine.codec MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -46,7 +46,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
@@ -57,7 +57,7 @@ from threadpoolctl import ThreadpoolController
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
 from .ggml_graph import Allocator, ArrayTensor, Graph, strides, view_of
-from .threads import DECODER_THREADS
+from .threads import DECODER_GGML_THREADS, DECODER_THREADS
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
 OFFICIAL_HEAD_DIM = 64
@@ -160,39 +160,31 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
     return out
 
 
-@dataclass
-class Kernels:
-    """What a decoder's products on ggml's kernels share: the threads (set per push, as its
-    BLAS threads are) and one compute buffer."""
-
-    threads: int = DECODER_THREADS
-    allocator: Allocator = field(default_factory=Allocator)
-
-
 class Matrix:
-    """A weight W [out, in] (float32) and W @ X: on ggml's kernels once `kernels` is set (the
-    decoder sets it for the layers of few columns per frame, `GGML_COLUMNS`), which read W in
-    place; else on numpy's BLAS. A column's numbers must not depend on the columns that come
-    with it (other frames of a push, other streams): ggml's several-column kernel gives the same
-    numbers for any count of at least two, its one-column kernel others, so a layer of one
-    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
-    when the columns are not contiguous: they are read with a row of padding); numpy's depend
-    on the count, and the decoder calls those layers with one frame's columns at a time."""
+    """A weight W [out, in] (float32) and W @ X: on ggml's kernels once `allocator` is set (the
+    decoder's compute buffer, which it sets for the layers of few columns per frame,
+    `GGML_COLUMNS`), which read W in place; else on numpy's BLAS. A column's numbers must not
+    depend on the columns that come with it (other frames of a push, other streams): ggml's
+    several-column kernel gives the same numbers for any count of at least two, its one-column
+    kernel others, so a layer of one column per frame (`by_column`) takes every column through
+    the one-column kernel (ggml does when the columns are not contiguous: they are read with a
+    row of padding); numpy's depend on the count, and the decoder calls those layers with one
+    frame's columns at a time."""
 
     def __init__(self, w: np.ndarray) -> None:
         self.array = np.ascontiguousarray(w, dtype=F32)
-        self.kernels: Kernels | None = None
+        self.allocator: Allocator | None = None
         self.by_column = False
         self._tensor: ArrayTensor | None = None
         self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """W @ x for x [in, n] (a column view of a buffer will do)."""
-        if self.kernels is None:
+        if self.allocator is None:
             return _matmul(self.array, x, out)
         graph, columns, result = self._graph(x.shape[1])
         np.copyto(columns, x.T)
-        graph.compute(self.kernels.threads)
+        graph.compute(DECODER_GGML_THREADS)
         if out is None:  # a copy: the result's memory is the next product's (one buffer)
             return result.T.copy()
         np.copyto(out, result.T)
@@ -203,7 +195,7 @@ class Matrix:
         [n, out] (ggml's column-major orientation) as numpy views. `by_column`, the input's rows
         are padded and the product reads a view of them (not contiguous: llamafile's
         several-column kernel declines it, and ggml's own loop takes each column alone)."""
-        assert self.kernels is not None
+        assert self.allocator is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
@@ -213,7 +205,7 @@ class Matrix:
             x = g.input(QType.F32, (n, width))
             columns = g.view(x, (k, n), (strides(x)[1],)) if self.by_column else x
             y = g.output(g.mul_mat(self._tensor.tensor, columns))
-            g.allocate(self.kernels.allocator)
+            g.allocate(self.allocator)
             self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
 
@@ -766,10 +758,10 @@ class CodecDecoder:
         self.blocks = [DecoderBlock(f, bid) for bid in range(_count(f, L.WAV_DAC_UP_CONV))]
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
-        self.kernels = Kernels(threads)
+        self._allocator = Allocator()  # one compute buffer for the products on ggml's kernels
         for matrix, columns in self.products():
             if columns <= GGML_COLUMNS:
-                matrix.kernels, matrix.by_column = self.kernels, columns == 1
+                matrix.allocator, matrix.by_column = self._allocator, columns == 1
         self.num_groups = self.quantizer.num_groups
         self.samples_per_frame = int(
             np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
@@ -847,15 +839,9 @@ class CodecDecoder:
 
     @contextmanager
     def _threads(self, threads: int | None) -> Iterator[None]:
-        """The products of the block run on `threads` threads (default: the decoder's), BLAS
-        and ggml's alike."""
-        n = threads or self.threads
-        with self._blas.limit(limits=n):
-            self.kernels.threads = n
-            try:
-                yield
-            finally:
-                self.kernels.threads = self.threads
+        """The BLAS products of the block run on `threads` threads (default: the decoder's)."""
+        with self._blas.limit(limits=threads or self.threads):
+            yield
 
     def _check(self, codes: np.ndarray) -> np.ndarray:
         """One stream's codes [n, groups] as int64, checked."""
@@ -926,7 +912,7 @@ class CodecDecoder:
         calls = []  # (product, input, its calls per `frames` frames)
         for m, columns in self.products():
             n = columns * frames
-            piece = n if m.kernels else columns  # as a decode calls it (see `_blocks`)
+            piece = n if m.allocator else columns  # as a decode calls it (see `_blocks`)
             calls.append((m, rng.standard_normal((m.array.shape[1], piece), dtype=F32), n // piece))
 
         def run(group: Sequence[tuple[Matrix, np.ndarray, int]]) -> float:

@@ -16,6 +16,15 @@ from ..errors import UsageError
 # alone on every core.
 DECODER_THREADS = 1
 
+# libgomp (the bundled ggml's OpenMP) keeps a pool of worker threads for each OS thread that has
+# run a graph on several threads, for as long as that thread lives; once the pools' threads
+# outnumber the cores it stops spinning at barriers, and ggml's threads meet at one after every
+# operation: each barrier then sleeps and wakes (on 2 cores, the code predictor's passes took 2x
+# as long beside a second pool, 4x beside a third). So one thread runs graphs on several
+# threads, the generator's (talker and code predictor); the codec decoder's graphs run on one
+# whatever its BLAS threads.
+DECODER_GGML_THREADS = 1
+
 
 def available_cores() -> int:
     """The cores this process may run on (its CPU affinity, not the host's count)."""
