@@ -352,6 +352,17 @@ class Decoder(_Passes[_Decode, np.ndarray]):
     def decode_sync(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
         return self._ask_sync(_Decode(state, codes, first))
 
+    def _submit(self, item: _Decode, result: _Result[np.ndarray]) -> None:
+        with self._cond:
+            self.cores.asked = self.codec.threads
+            super()._submit(item, result)
+
+    def _withdraw(self, result: _Result[np.ndarray]) -> None:
+        with self._cond:
+            super()._withdraw(result)
+            if not self._queue:
+                self.cores.asked = 0
+
     def _take(self) -> list[tuple[_Decode, _Result[np.ndarray]]]:
         """First frames alone when there are any, else every queued frame."""
         firsts = [(d, r) for d, r in self._queue if d.first]
@@ -365,6 +376,9 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
         threads = self.cores.count if alone else self.codec.threads
         with self.cores.lend(threads):
+            with self._cond:
+                if not self._queue:  # the frames asked for are this pass's
+                    self.cores.asked = 0
             pcm = self.codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads)
         with self._cond:
             for (_, result), p in zip(batch, pcm):

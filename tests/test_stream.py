@@ -147,6 +147,30 @@ async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime,
         assert len(several) == 1
 
 
+@pytest.mark.skipif(kazeia_stream.Threads.default().cores < 2, reason="lends a core: needs 2")
+def test_a_decode_holds_its_core_from_the_moment_it_is_asked_for(runtime):
+    """A graph call that starts while a decode waits for its pass runs beside that pass: it
+    must not take the decoder's core (the next frame's talker step is asked for at once)."""
+    cores, wanted = runtime.cores, runtime.threads.cores
+    busy, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=runtime.decoder.call, args=(lambda: busy.set() or release.wait(),))
+    blocker.start()
+    assert busy.wait(10)  # the decoder's thread is inside a call: a decode asked now waits
+    codes = np.zeros((1, runtime.codec.num_groups), dtype=np.int64)
+    decode = threading.Thread(target=runtime.decoder.decode_sync, args=(runtime.codec.new_state(), codes))
+    decode.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not runtime.decoder._queue and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert cores.threads(wanted) == wanted - runtime.threads.decoder
+    finally:
+        release.set()
+        blocker.join(10)
+        decode.join(10)
+    assert cores.threads(wanted) == wanted and cores.asked == 0 and cores.lent == 0
+
+
 async def test_errors_surface_in_the_iteration_and_the_session_survives(runtime, offline):
     async with runtime.open(voice="ryan", seed=5) as tts:
         with pytest.raises(UsageError, match="empty"):

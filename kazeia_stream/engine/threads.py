@@ -76,15 +76,18 @@ class SharedCores:
     ggml's threads meet at a barrier after every operation, so one thread waiting for a core
     that the decoder holds stalls all the others; while the decoder works, each call runs with
     as many threads fewer as it holds cores (measured on 2 cores, one core lent: ~7% less wall
-    time per frame in the pipeline).
+    time per frame in the pipeline). A decode asked for and not yet begun holds its cores too
+    (`asked`): the graph call that starts meanwhile (the next frame's talker step, asked for at
+    the same moment) would otherwise run its whole step on too many threads beside the decode.
     """
 
     def __init__(self, count: int) -> None:
         self.count = count  # the cores the engines were given
-        self.lent = 0
+        self.lent = 0  # held by the decoder's pass running
+        self.asked = 0  # set aside for a decode that waits for its pass
 
     def threads(self, wanted: int) -> int:
-        return max(1, wanted - self.lent)
+        return max(1, wanted - max(self.lent, self.asked))
 
     @contextmanager
     def lend(self, n: int) -> Iterator[None]:
