@@ -99,7 +99,7 @@ def test_v_in_blocks_gives_the_results_of_one_block_beyond_rounding(model, monke
     talker.lm.bucket = 8
     assert talker.lm.v_block == 8
     blocks = steps(talker)
-    assert any(span > 8 for layout, _ in talker.lm._graphs for _, _, span, _ in layout)
+    assert any(span > 8 for layout, *_ in talker.lm._graphs for _, _, span, _ in layout)
     for (h0, l0), (h1, l1) in zip(whole, blocks):
         assert np.abs(h1 - h0).max() <= 1e-5 * np.abs(h0).max()
         assert np.abs(l1 - l0).max() <= 1e-5 * np.abs(l0).max()
@@ -151,7 +151,7 @@ def test_a_prefill_longer_than_a_graph_runs_in_parts(model, monkeypatch):
     monkeypatch.setattr(qwen3, "MAX_PART", 8)
     talker = Talker(model.talker_file, model.config.talker, 1)
     parts = talker.prefill(TalkerState(), rows(model, 30))
-    assert {layout[0][1] for layout, _ in talker.lm._graphs} == {8, 6}  # rows of the one part
+    assert {layout[0][1] for layout, *_ in talker.lm._graphs} == {8, 6}  # rows of the one part
     for a, b in zip(whole, parts):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
 

@@ -320,11 +320,13 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     assert 0.99 * rate <= figures["aggregate_audio_s_per_s"] <= 2 * rate
 
 
+@pytest.mark.parametrize("together", [False, True])
 @pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
-def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_type):
+def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_type, together):
     """A stream's rows share products with other streams' only where ggml's kernel gives each
     column its one-column numbers (Q8_0), else they are products of their own, so its hidden
-    state and logits do not depend on the streams beside it, at every weight type."""
+    state and logits do not depend on the streams beside it, at every weight type, whichever
+    way the shared products run (all columns together, or the first alone)."""
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
     runtime = kazeia_stream.Runtime(model, max_streams=4)
     lm = runtime.talker.lm
@@ -333,6 +335,7 @@ def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_
     )
     lm.forward_many([(s, rows[s], 0) for s in range(4)])
     step = rows[:, :1] * 0.5
+    lm._together.chosen[4, lm.cores.threads(lm.threads)] = together
     hidden, logits = lm.forward_many([(s, step[s], 9) for s in range(4)])
     for s in range(4):
         alone_hidden, alone_logits = lm.forward_many([(s, step[s], 9)])

@@ -22,6 +22,7 @@ needs no clearing: a later utterance overwrites the cells it uses.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
+from .faster import Faster
 from .ggml_graph import (
     Allocator,
     Graph,
@@ -98,7 +100,8 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
 
 
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)
-_Shape = tuple[tuple[tuple[int, int, int, bool], ...], str]  # (slot, n, span, output) per part; head
+# (slot, n, span, output) per part; head; several-column products together (`_product`)
+_Shape = tuple[tuple[tuple[int, int, int, bool], ...], str, bool]
 
 
 @dataclass
@@ -167,6 +170,7 @@ class Qwen3LM:
         self._channels = np.arange(self.kv_dim, dtype=np.int64) * self.v_block
         self._allocator = Allocator()  # one compute buffer for all the graphs
         self._graphs: OrderedDict[_Shape, _Call] = OrderedDict()
+        self._together = Faster()  # per (rows, threads) of a call: see `_product`
 
     def close(self) -> None:
         """Free the graphs and the KV cache (the weights are the caller's)."""
@@ -212,7 +216,10 @@ class Qwen3LM:
             if not 0 < len(rows) <= MAX_PART or end > self.n_ctx:
                 raise RuntimeError(f"context full: {pos} + {len(rows)} positions > n_ctx {self.n_ctx}")
             layout.append((slot, len(rows), min(self.n_ctx, -(-end // self.bucket) * self.bucket), out))
-        call = self._call((tuple(layout), head))
+        total = sum(n for _, n, _, _ in layout)
+        threads = self.cores.threads(self.threads)
+        together = total > 1 and self._together.pick((total, threads))
+        call = self._call((tuple(layout), head, together))
         start = 0
         for (slot, rows, pos), mask in zip(parts, call.masks):
             n = len(rows)
@@ -227,7 +234,10 @@ class Qwen3LM:
             start += n
         if call.head_index is not None:
             call.head_index[...] = head_index
-        call.graph.compute(self.cores.threads(self.threads))
+        began = time.perf_counter()
+        call.graph.compute(threads)
+        if total > 1:
+            self._together.record((total, threads), together, time.perf_counter() - began)
         return call.hidden.copy(), call.logits.copy()
 
     def release(self, slot: int, keep: int) -> None:
@@ -243,18 +253,19 @@ class Qwen3LM:
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last
-        used are kept; built again if a larger graph moved the compute buffer since)."""
+        used are kept, twice that while `_together` still tries both ways of some; built again
+        if a larger graph moved the compute buffer since)."""
         call = self._graphs.get(shape)
         if call is None or not call.graph.placed:
             if call is not None:
                 call.graph.close()
             call = self._graphs[shape] = self._build(*shape)
-            while len(self._graphs) > self.max_graphs:
+            while len(self._graphs) > self.max_graphs * (1 + bool(self._together.trying)):
                 self._graphs.popitem(last=False)[1].graph.close()
         self._graphs.move_to_end(shape)
         return call
 
-    def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str) -> _Call:
+    def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str, together: bool) -> _Call:
         cfg, w = self.config, self.weights
         total = sum(n for _, n, _, _ in layout)
         per_parts = sum(
@@ -272,15 +283,15 @@ class Qwen3LM:
         columns = [(p.start, p.n) for p in parts]
         h = x
         if "proj" in w.tensors:
-            h = g.add(self._product(g, "proj", h, columns), w["proj_bias"])
+            h = g.add(self._product(g, "proj", h, columns, together), w["proj_bias"])
         for bid in range(cfg.num_layers):
-            h = self._layer(g, bid, h, parts, positions, k_rows, v_cells)
+            h = self._layer(g, bid, h, parts, positions, k_rows, v_cells, together)
         outs = [p for p, (*_, out) in zip(parts, layout) if out]  # their last rows
         row = strides(h)[1]
         last = g.join([g.view(h, (cfg.hidden_size, 1), (row,), (p.start + p.n - 1) * row) for p in outs])
         hidden = g.output(g.mul(g.rms_norm(last, cfg.rms_norm_eps), w["output_norm"]))
         index = g.input(QType.I32, (len(outs), 1)) if dims(w[head])[2] > 1 else None
-        logits = g.output(self._product(g, head, hidden, [(i, 1) for i in range(len(outs))], index))
+        logits = g.output(self._product(g, head, hidden, [(i, 1) for i in range(len(outs))], together, index))
         g.allocate(self._allocator)
         return _Call(
             g,
@@ -295,22 +306,30 @@ class Qwen3LM:
         )
 
     def _product(
-        self, g: Graph, name: str, x: Tensor, parts: Sequence[tuple[int, int]], index: Tensor | None = None
+        self,
+        g: Graph,
+        name: str,
+        x: Tensor,
+        parts: Sequence[tuple[int, int]],
+        together: bool,
+        index: Tensor | None = None,
     ) -> Tensor:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
         Where ggml's several-column kernel gives each column its one-column numbers
-        (`columns_agree`: Q8_0 here), the first column is multiplied alone and the others
-        together: the several-column kernel reads a weight from memory several times slower
-        than the one-column one, from the cache about as fast, and the first product leaves the
-        weight in the cache (4 one-row parts on one thread: 46 against 57 ms for the talker's
-        products). Else each part is multiplied alone, as it would be without the others."""
+        (`columns_agree`: Q8_0 here), the columns are multiplied `together` by it, or the first
+        alone and the others together, whichever runs faster on this CPU (`Faster`): on a Zen 5
+        the several-column kernel read a weight from memory several times slower than the
+        one-column one and about as fast from the cache, where the first product leaves it (4
+        one-row parts on one thread: 46 against 57 ms for the talker's products); on a Sapphire
+        Rapids all together was faster (130-143 against 178-182 ms). Else each part is
+        multiplied alone, as it would be without the others."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
         if index is not None:
             x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
         if rows > 1 and columns_agree(w):
-            parts = [(0, 1), (1, rows - 1)]
+            parts = [(0, rows)] if together else [(0, 1), (1, rows - 1)]
         nb = strides(x)
 
         def product(start: int, n: int) -> Tensor:
@@ -353,6 +372,7 @@ class Qwen3LM:
         positions: Tensor,
         k_rows: Tensor,
         v_cells: Tensor,
+        together: bool,
     ) -> Tensor:
         """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over the call's rows x [hidden, rows]:
         the row-wise ops on all the rows at once, the products as `_product` allows, the
@@ -370,7 +390,7 @@ class Qwen3LM:
             return g.mul(g.rms_norm(t, eps), w[weight])
 
         def product(role: str, t: Tensor) -> Tensor:
-            return self._product(g, f"{bid}.{role}", t, columns)
+            return self._product(g, f"{bid}.{role}", t, columns, together)
 
         def roped(t: Tensor, n_heads: int, weight: str) -> Tensor:
             return g.rope_neox(normed(g.reshape(t, hd, n_heads, total), weight), positions, cfg.rope_theta)
