@@ -260,9 +260,9 @@ class Qwen3LM:
             if call is not None:
                 call.graph.close()
             call = self._graphs[shape] = self._build(*shape)
-            while len(self._graphs) > self.max_graphs * (1 + bool(self._together.trying)):
-                self._graphs.popitem(last=False)[1].graph.close()
         self._graphs.move_to_end(shape)
+        while len(self._graphs) > self.max_graphs * (1 + bool(self._together.trying)):
+            self._graphs.popitem(last=False)[1].graph.close()
         return call
 
     def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str, together: bool) -> _Call:
