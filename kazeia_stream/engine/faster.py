@@ -1,8 +1,8 @@
 """A choice between two ways of running one computation that give the same numbers, made by
 timing both in use.
 
-Which is faster can depend on the CPU (`Qwen3LM._product`: on a Zen 5 one way, on a Sapphire
-Rapids the other, by 20-30% each), so the first calls of each kind alternate the two ways,
+Which is faster can depend on the CPU (`Qwen3LM._product`: on a Zen 5 one way, on a Xeon of
+family 6 model 207 the other, by 20-30% each), so the first calls of each kind alternate the two ways,
 and once each way has run `TRIALS` calls of that kind, the one with the lower median is kept
 for that kind. Only calls of one kind (a row count and a thread count, say) are compared, so
 the choice is fair whatever mix of calls comes; the results are the same either way.

@@ -322,8 +322,8 @@ class Qwen3LM:
         alone and the others together, whichever runs faster on this CPU (`Faster`): on a Zen 5
         the several-column kernel read a weight from memory several times slower than the
         one-column one and about as fast from the cache, where the first product leaves it (4
-        one-row parts on one thread: 46 against 57 ms for the talker's products); on a Sapphire
-        Rapids all together was faster (130-143 against 178-182 ms). Else each part is
+        one-row parts on one thread: 46 against 57 ms for the talker's products); on a Xeon of
+        family 6 model 207 all together was faster (130-143 against 178-182 ms). Else each part is
         multiplied alone, as it would be without the others."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
         if index is not None:
