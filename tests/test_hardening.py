@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from processes import FAULTHANDLER, exit_status
 from test_model import one_layer_more
 
 pytestmark = pytest.mark.subprocess
@@ -157,18 +158,7 @@ def test_pipe_write_errors_are_reported_but_a_closed_reader_is_not(model):
 
 
 # a CLI process that prints each thread's stack on SIGABRT (Python's faulthandler)
-DUMPING = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-
-
-def exit_status(proc: subprocess.Popen, sig: signal.Signals) -> int:
-    """The exit status of a process started with `DUMPING` env that was sent `sig`, within a
-    minute; else the test fails with where its threads wait."""
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        _, err = proc.communicate(timeout=30)
-        pytest.fail(f"still running 60 s after {sig.name}:\n{err.decode(errors='replace')[-8000:]}")
+DUMPING = {**os.environ, **FAULTHANDLER}
 
 
 @pytest.mark.parametrize(

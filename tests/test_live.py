@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import trio
 from audio import align, correlation, gain
+from processes import FAULTHANDLER, exit_status
 
 from kazeia_stream.stages.playback import AudioPlayer
 
@@ -76,13 +77,13 @@ def test_a_signal_during_live_playback_stops_it_in_one_line(pulse_null_sink, mod
         proc = subprocess.Popen(
             [sys.executable, "-m", "kazeia_stream", TEXT * 10, "--model", model_path],
             stderr=subprocess.PIPE,
-            env=pulse_null_sink.subprocess_env(),
+            env={**pulse_null_sink.subprocess_env(), **FAULTHANDLER},
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not np.any(np.abs(rec.samples()) > 1e-3):
             time.sleep(0.05)  # until the speech is heard
         proc.send_signal(sig)
-        assert proc.wait(timeout=30) == code
+        assert exit_status(proc, sig) == code
     err = proc.stderr.read().decode().strip()
     assert err == f"kazeia-stream: {word}"
 
