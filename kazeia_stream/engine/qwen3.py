@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -218,7 +219,8 @@ class Qwen3LM:
             layout.append((slot, len(rows), min(self.n_ctx, -(-end // self.bucket) * self.bucket), out))
         total = sum(n for _, n, _, _ in layout)
         threads = self.cores.threads(self.threads)
-        together = total > 1 and self._together.pick((total, threads))
+        timed = total > 1 and self._shares_columns  # a call whose two ways differ
+        together = timed and self._together.pick((total, threads))
         call = self._call((tuple(layout), head, together))
         start = 0
         for (slot, rows, pos), mask in zip(parts, call.masks):
@@ -236,7 +238,7 @@ class Qwen3LM:
             call.head_index[...] = head_index
         began = time.perf_counter()
         call.graph.compute(threads)
-        if total > 1:
+        if timed:
             self._together.record((total, threads), together, time.perf_counter() - began)
         return call.hidden.copy(), call.logits.copy()
 
@@ -250,6 +252,12 @@ class Qwen3LM:
             knb, vnb = strides(self.cache[k]), strides(self.cache[v])  # [.., n_ctx, slot], [.., block, slot]
             self.cache.release(k, slot * knb[2] + keep * knb[1], (slot + 1) * knb[2])
             self.cache.release(v, slot * vnb[3] + -(-keep // self.v_block) * vnb[2], (slot + 1) * vnb[3])
+
+    @cached_property
+    def _shares_columns(self) -> bool:
+        """Whether some product can give several rows one kernel call (`columns_agree`): only
+        then do the two ways that `_together` times differ."""
+        return any(columns_agree(w) for w in self.weights.tensors.values() if dims(w)[1] > 1)
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last
