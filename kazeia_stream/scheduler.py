@@ -374,7 +374,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
     def _pass(self, batch: list[tuple[_Decode, _Result[np.ndarray]]]) -> None:
         # a first frame with no other stream running gets every core: nothing else can be heard
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
-        threads = self.cores.count if alone else self.codec.threads
+        threads = self.cores.free() if alone else self.codec.threads
         with self.cores.lend(threads):
             with self._cond:
                 if not self._queue:  # the frames asked for are this pass's

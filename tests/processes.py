@@ -1,9 +1,13 @@
-"""Helpers for tests that signal a CLI process: a hang shows where each thread waits."""
+"""Helpers for tests that run other processes: a CLI signalled (a hang shows where each
+thread waits), a process busy beside the tests."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -19,3 +23,15 @@ def exit_status(proc: subprocess.Popen, sig: signal.Signals) -> int:
         proc.send_signal(signal.SIGABRT)
         _, err = proc.communicate(timeout=30)
         pytest.fail(f"still running 60 s after {sig.name}:\n{err.decode(errors='replace')[-8000:]}")
+
+
+@contextmanager
+def spinning(*prefix: str) -> Iterator[None]:
+    """Another process busy on one core while the block runs (`prefix`: a command it runs
+    under, e.g. `nice`)."""
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()

@@ -4,6 +4,9 @@ cores the ggml graphs' calls lend to the codec decoder running beside them."""
 from __future__ import annotations
 
 import os
+import resource
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,25 +72,89 @@ class Threads:
         return max(self.talker, self.code_predictor)
 
 
+class OthersLoad:
+    """How many of this process's cores others kept busy lately (other processes, and on a
+    virtual machine the host's steal): the kernel's busy time on those cores (Linux'
+    /proc/stat) less this process's own CPU time, per second of wall time, over windows of at
+    least `WINDOW_S`. Processes niced more than this one barely take a core from it and are
+    not counted (unless it is niced itself: its own time is then counted there). Where
+    /proc/stat cannot be read nothing is known: 0."""
+
+    WINDOW_S = 0.25
+
+    def __init__(self) -> None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
+        self._cpus = {f"cpu{i}".encode() for i in cpus}
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._nice = hasattr(os, "getpriority") and os.getpriority(os.PRIO_PROCESS, 0) > 0
+        self._lock = threading.Lock()
+        self._last = self._sample()
+        self.cores = 0.0
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall s, the cores' busy s, this process's CPU s), or None where unknown."""
+        try:
+            with open("/proc/stat", "rb") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            fields = line.split()
+            if fields and fields[0] in self._cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+                busy += user + system + irq + softirq + steal + (nice if self._nice else 0)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return time.monotonic(), busy / self._tick, own.ru_utime + own.ru_stime
+
+    def refresh(self) -> float:
+        """The cores others used in the latest window, a new window begun if the last is
+        `WINDOW_S` old (cheap otherwise: a clock read)."""
+        last = self._last
+        if last is None or time.monotonic() - last[0] < self.WINDOW_S or not self._lock.acquire(False):
+            return self.cores
+        try:
+            now = self._sample()
+            if now is not None:
+                wall, busy, own = (b - a for a, b in zip(last, now))
+                self.cores, self._last = max(0.0, (busy - own) / wall), now
+        finally:
+            self._lock.release()
+        return self.cores
+
+
 class SharedCores:
     """The cores that the ggml graphs' calls (talker, code predictor) share with the codec
-    decoder running beside them.
+    decoder running beside them, and with other processes.
 
     ggml's threads meet at a barrier after every operation, so one thread waiting for a core
-    that the decoder holds stalls all the others; while the decoder works, each call runs with
-    as many threads fewer as it holds cores (measured on 2 cores, one core lent: ~7% less wall
-    time per frame in the pipeline). A decode asked for and not yet begun holds its cores too
-    (`asked`): the graph call that starts meanwhile (the next frame's talker step, asked for at
-    the same moment) would otherwise run its whole step on too many threads beside the decode.
+    that someone else holds stalls all the others; each call runs with as many threads fewer
+    as cores are held. The decoder's pass holds its cores while it runs (measured on 2 cores,
+    one core lent: ~7% less wall time per frame in the pipeline); a decode asked for and not
+    yet begun holds them too (`asked`): the graph call that starts meanwhile (the next frame's
+    talker step, asked for at the same moment) would otherwise run its whole step on too many
+    threads beside the decode. Cores that other processes keep busy are held likewise
+    (`OthersLoad`, rounded): beside one process spinning on one of 2 cores, a 40-frame run took
+    2.4x its quiet time with the generator on 2 threads, 1.5x on one.
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, others: OthersLoad | None = None) -> None:
         self.count = count  # the cores the engines were given
         self.lent = 0  # held by the decoder's pass running
         self.asked = 0  # set aside for a decode that waits for its pass
+        self.others = others or OthersLoad()
+
+    def taken(self) -> int:
+        """The cores other processes hold now, of those the engines were given (all but one)."""
+        return min(self.count - 1, round(self.others.refresh()))
 
     def threads(self, wanted: int) -> int:
-        return max(1, wanted - max(self.lent, self.asked))
+        """Threads for a graph call that wants `wanted`."""
+        return max(1, wanted - max(self.lent, self.asked) - self.taken())
+
+    def free(self) -> int:
+        """The cores a pass alone may take: those that others do not hold."""
+        return self.count - self.taken()
 
     @contextmanager
     def lend(self, n: int) -> Iterator[None]:

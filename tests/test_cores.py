@@ -1,0 +1,80 @@
+"""The cores other processes hold: read from the kernel, and given up by the graphs' calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from processes import spinning
+
+from kazeia_stream.engine.ggml_graph import Graph
+from kazeia_stream.engine.threads import OthersLoad, SharedCores, available_cores
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/stat").exists() or available_cores() < 2, reason="reads Linux' /proc/stat; needs 2 cores"
+)
+
+
+def settled(load: OthersLoad) -> float:
+    """The cores others used over a whole window begun now."""
+    time.sleep(load.WINDOW_S)
+    load.refresh()  # a window begins
+    time.sleep(2 * load.WINDOW_S)
+    return load.refresh()
+
+
+def test_a_process_spinning_beside_holds_a_core_until_it_stops():
+    load = OthersLoad()
+    cores = SharedCores(2, load)
+    with spinning():
+        assert 0.7 < settled(load) < 1.3
+        assert cores.taken() == 1 and cores.threads(2) == 1 and cores.free() == 1
+    assert settled(load) < 0.4
+    assert cores.taken() == 0 and cores.threads(2) == 2 and cores.free() == 2
+
+
+def test_this_process_own_work_is_not_others():
+    load = OthersLoad()
+    time.sleep(load.WINDOW_S)
+    load.refresh()
+    end = time.monotonic() + 2 * load.WINDOW_S
+    while time.monotonic() < end:  # busy here, on one core
+        pass
+    assert load.refresh() < 0.4
+
+
+def test_a_process_niced_more_than_this_one_is_not_counted():
+    load = OthersLoad()
+    with spinning("nice", "-n", "19"):
+        assert settled(load) < 0.4
+
+
+def test_within_a_window_the_last_reading_stands():
+    load = OthersLoad()
+    with spinning():
+        first = settled(load)
+        assert load.refresh() == first  # less than a window since: not read again
+
+
+async def test_beside_a_busy_process_the_generator_runs_its_graphs_on_one_thread(tiny_runtime, monkeypatch):
+    runtime = tiny_runtime("custom_voice")
+    threads = []  # the thread count of each graph the talker and the code predictor ran
+    compute = Graph.compute
+
+    def counted(graph: Graph, n: int) -> None:
+        if threading.current_thread().name != "kazeia-decoder":
+            threads.append(n)
+        compute(graph, n)
+
+    monkeypatch.setattr(Graph, "compute", counted)
+    with spinning():
+        deadline = time.monotonic() + 10
+        while runtime.cores.taken() != 1 and time.monotonic() < deadline:
+            await trio.sleep(0.05)
+        async with runtime.open(voice="ryan", seed=5) as tts:
+            async for _ in tts.speak("Hello there, beside a busy process."):
+                pass
+    assert threads and set(threads) == {1}
