@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kazeia_stream.engine.codec import CodecDecoder
+from kazeia_stream.engine.codec import SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
 
@@ -195,3 +196,46 @@ def test_the_products_floor_runs_a_decode_s_products(decoder, monkeypatch, in_or
         [c for calls_of in each for c in calls_of] * 3 if in_order else [c for e in each for c in e * 3]
     )
     assert calls == expected
+
+
+def _mapped(array: np.ndarray) -> bool:
+    """Whether the array's memory is a file's mapping (not memory of the process's own)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return isinstance(array, mmap.mmap)
+
+
+def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
+    """Fresh memory is slow to fault in, so a weight is copied at load only where the decoder
+    multiplies it in a layout of its own: the transposed convs, and the convs of many columns
+    a frame, tap by tap."""
+    rate = {id(m): columns for m, columns in decoder.products()}
+    tfm = decoder.transformer
+    in_place = [m.w for layer in tfm.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+    in_place += [m.w for _, convnext in decoder.upsample for m in (convnext.pw1, convnext.pw2)]
+    in_place += decoder.pre_conv.products + decoder.entry.products
+    assert all(_mapped(m.array) for m in in_place)
+    assert len(decoder.entry.products) == 1  # one product over gathered columns
+    split = [conv for block in decoder.blocks for unit in block.units for conv in (unit.conv1, unit.conv2)]
+    for conv in split:
+        if conv.k > 1:
+            assert rate[id(conv.products[0])] > SPLIT_COLUMNS and len(conv.products) == conv.k
+            assert not any(_mapped(m.array) for m in conv.products)
+    assert not any(_mapped(block.up.w.array) for block in decoder.blocks)
+
+
+def test_tensors_back_to_back_join_in_place(tiny_gguf):
+    from kazeia_stream.model import gguf_layout as L
+
+    f = GGUFFile(tiny_gguf("custom_voice")[1])
+    names = [name.format(bid=0) for name in (L.WAV_TFM_ATTN_Q, L.WAV_TFM_ATTN_K, L.WAV_TFM_ATTN_V)]
+    joined, concatenated = f.joined(names), np.concatenate([f.tensor(name) for name in names])
+    assert _mapped(joined) and np.array_equal(joined, concatenated)
+    backwards = f.joined(names[::-1])  # not the file's order: a copy
+    assert not _mapped(backwards)
+    assert np.array_equal(backwards, np.concatenate([f.tensor(name) for name in names[::-1]]))
+    quantized = GGUFFile(tiny_gguf("custom_voice", "q8_0")[1])  # the code predictor's: Q8_0
+    names = [name.format(bid=0) for name in (L.CP_ATTN_Q, L.CP_ATTN_K, L.CP_ATTN_V)]
+    joined = quantized.joined(names)
+    assert not _mapped(joined)
+    assert np.array_equal(joined, np.concatenate([quantized.tensor(name) for name in names]))

@@ -89,6 +89,12 @@ SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 # the first block's 24 taps 768x768 by 32 columns 13.5 -> 10.9 ms, 384x384 by 160 even,
 # 192x192 by 640 11.2 -> 13.9 ms.
 GGML_COLUMNS = 64
+# A causal conv of more columns per frame multiplies tap by tap, on copies of its weight
+# (`CausalConv.split`); one of fewer, its weight in place on gathered columns. Per frame from
+# memory, one core: the entry conv (44 MB, 4 columns) 4.4 ms in place against 4.9 tap by tap;
+# the first block's k = 7 convs (17 MB, 32 columns) 4.9 against 4.1; in the later blocks
+# (hundreds of columns, small weights) the gathering costs up to 0.3 ms a conv.
+SPLIT_COLUMNS = 16
 # Floats of padding after each column of a `by_column` product's input (a cache line).
 _ROW_PAD = 16
 
@@ -301,28 +307,44 @@ class ContextBuffer:
 class CausalConv:
     """Causal Conv1d, stride 1, left-padded by (k - 1) * dilation; weight [C_out, C_in, k].
 
-    y = b + sum_j W_j X[:, j * d * S : j * d * S + n * S] over the context buffer of S streams:
-    one sgemm per tap on a shifted view of the buffer (BLAS reads it in place), no im2col copy."""
+    y = b + W [C_out, C_in * k] X, one product with the weight as the file holds it (in place),
+    over X [C_in * k, n * S] gathered from the context buffer of S streams: row c * k + j is
+    channel c shifted by j * d time steps (im2col). Once `split`, y = b + sum_j W_j X_j instead:
+    one product per tap, on a copy of its weight, reading the shifted buffer in place (for many
+    columns, where gathering X costs more: `SPLIT_COLUMNS`)."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
-        _, c_in, k = weight.shape
+        c_out, c_in, k = weight.shape
         self.k, self.dilation = k, dilation
-        self.taps = [Matrix(tap) for tap in weight.transpose(2, 0, 1)]  # k of [C_out, C_in]
+        self.products = [Matrix(weight.reshape(c_out, c_in * k))]  # W, or once split the W_j
         self.bias = bias.astype(F32)[:, None]
         self.context, self.c_in = (k - 1) * dilation, c_in
+
+    def split(self) -> None:
+        """Multiply tap by tap from now on (the weight in place is let go)."""
+        if self.k > 1 and len(self.products) == 1:
+            weight = self.products[0].array.reshape(-1, self.c_in, self.k)
+            self.products = [Matrix(weight[:, :, j]) for j in range(self.k)]
 
     def new_state(self) -> ContextBuffer:
         return ContextBuffer(self.context, self.c_in)
 
     def run(self, state: ContextBuffer, n: int) -> np.ndarray:
         """The output for the n columns written into `state.input(n)`."""
-        buf, d = state.buf, self.dilation * state.streams
-        y = self.taps[0](buf[:, 0:n])
-        if self.k > 1:
+        buf, d, products = state.buf, self.dilation * state.streams, self.products
+        if self.k == 1:
+            y = products[0](buf[:, :n])
+        elif len(products) > 1:
+            y = products[0](buf[:, 0:n])
             t = np.empty_like(y)
             for j in range(1, self.k):
-                self.taps[j](buf[:, j * d : j * d + n], out=t)
+                products[j](buf[:, j * d : j * d + n], out=t)
                 y += t
+        else:  # gathered column by column: ggml's kernels take X's columns as rows
+            x = np.empty((n, self.c_in, self.k), F32)
+            for j in range(self.k):
+                x[:, :, j] = buf[:, j * d : j * d + n].T
+            y = products[0](x.reshape(n, self.c_in * self.k).T)
         y += self.bias
         state.advance(n)
         return y
@@ -406,8 +428,8 @@ class ConvNeXtBlock:
         self.dwconv = DepthwiseCausalConv(*_conv(f, L.WAV_UP_DWCONV.format(bid=bid)))
         norm_w, norm_b = _pair(f, L.WAV_UP_NORM.format(bid=bid))
         self.norm_w, self.norm_b = norm_w[:, None], norm_b[:, None]
-        self.pw1 = Linear(*_pair(f, L.WAV_UP_PW1.format(bid=bid)))
-        self.pw2 = Linear(*_pair(f, L.WAV_UP_PW2.format(bid=bid)))
+        self.pw1 = Linear(*_kernel(f, L.WAV_UP_PW1.format(bid=bid)))
+        self.pw2 = Linear(*_kernel(f, L.WAV_UP_PW2.format(bid=bid)))
         self.gamma = f.read(L.WAV_UP_GAMMA.format(bid=bid))[:, None]
 
     def new_state(self) -> ContextBuffer:
@@ -485,14 +507,15 @@ class TransformerLayer:
 
     def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
         t = lambda name: f.read(name.format(bid=bid))
-        m = lambda name: f.tensor(name.format(bid=bid))  # concatenated: see `_kernel`
-        wq, wk, wv = m(L.WAV_TFM_ATTN_Q), m(L.WAV_TFM_ATTN_K), m(L.WAV_TFM_ATTN_V)
+        m = lambda name: f.tensor(name.format(bid=bid))  # weights in place: see `_kernel`
+        joined = lambda *names: f.joined([name.format(bid=bid) for name in names])
         self.head_dim, self.eps = head_dim, eps
-        self.n_heads, self.n_kv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
-        self.qkv = Linear(np.concatenate([wq, wk, wv]))
-        self.out = Linear(t(L.WAV_TFM_ATTN_OUT))
-        self.gate_up = Linear(np.concatenate([m(L.WAV_TFM_FFN_GATE), m(L.WAV_TFM_FFN_UP)]))
-        self.down = Linear(t(L.WAV_TFM_FFN_DOWN))
+        self.n_heads = f.tensor_shape(L.WAV_TFM_ATTN_Q.format(bid=bid))[0] // head_dim
+        self.n_kv = f.tensor_shape(L.WAV_TFM_ATTN_K.format(bid=bid))[0] // head_dim
+        self.qkv = Linear(joined(L.WAV_TFM_ATTN_Q, L.WAV_TFM_ATTN_K, L.WAV_TFM_ATTN_V))
+        self.out = Linear(m(L.WAV_TFM_ATTN_OUT))
+        self.gate_up = Linear(joined(L.WAV_TFM_FFN_GATE, L.WAV_TFM_FFN_UP))
+        self.down = Linear(m(L.WAV_TFM_FFN_DOWN))
         self.ln1, self.ln2 = t(L.WAV_TFM_ATTN_NORM)[:, None], t(L.WAV_TFM_FFN_NORM)[:, None]
         self.ls1, self.ls2 = t(L.WAV_TFM_ATTN_SCALE)[:, None], t(L.WAV_TFM_FFN_SCALE)[:, None]
 
@@ -759,6 +782,10 @@ class CodecDecoder:
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self._allocator = Allocator()  # one compute buffer for the products on ggml's kernels
+        rate = {id(matrix): columns for matrix, columns in self.products()}
+        for conv in self._convs():
+            if rate[id(conv.products[0])] > SPLIT_COLUMNS:
+                conv.split()
         for matrix, columns in self.products():
             if columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
@@ -877,7 +904,7 @@ class CodecDecoder:
         q, tfm = self.quantizer, self.transformer
         yield q.first_out.w, 1
         yield q.rest_out.w, 1
-        yield from ((tap, 1) for tap in self.pre_conv.taps)
+        yield from ((m, 1) for m in self.pre_conv.products)
         yield tfm.in_proj.w, 1
         for layer in tfm.layers:
             yield from ((m.w, 1) for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
@@ -888,13 +915,18 @@ class CodecDecoder:
             rate *= up.s
             yield convnext.pw1.w, rate
             yield convnext.pw2.w, rate
-        yield from ((tap, rate) for tap in self.entry.taps)
+        yield from ((m, rate) for m in self.entry.products)
         for block in self.blocks:
             yield block.up.w, rate
             rate *= block.up.s
             for unit in block.units:
-                yield from ((tap, rate) for conv in (unit.conv1, unit.conv2) for tap in conv.taps)
-        yield from ((tap, rate) for tap in self.post_conv.taps)
+                yield from ((m, rate) for conv in (unit.conv1, unit.conv2) for m in conv.products)
+        yield from ((m, rate) for m in self.post_conv.products)
+
+    def _convs(self) -> Iterator[CausalConv]:
+        yield from (self.pre_conv, self.entry, self.post_conv)
+        for block in self.blocks:
+            yield from (conv for unit in block.units for conv in (unit.conv1, unit.conv2))
 
     @cached_property
     def macs_per_frame(self) -> int:
@@ -983,8 +1015,9 @@ def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _kernel(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    """A weight its layer copies into its own layout, mapped (read once, by that copy: fresh
-    memory is slow to fault in, ~2 GB/s here, so a first copy costs startup), and its bias."""
+    """A weight, mapped, and its bias. The layer uses the weight in place where its layout is
+    the file's; else it copies it into its own, reading the mapping once (fresh memory is slow
+    to fault in, 0.3-2 GB/s on the hosts measured, so every copy costs startup)."""
     return f.tensor(prefix + ".weight"), f.read(prefix + ".bias")
 
 

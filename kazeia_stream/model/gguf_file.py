@@ -7,8 +7,9 @@ opening a large vocabulary costs milliseconds. Tensor data is memory-mapped with
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,19 @@ class GGUFFile:
     def tensor(self, name: str) -> np.ndarray:
         """A whole tensor as float32 (mapped, when stored as float32)."""
         return self._float32(name, self.raw(name))
+
+    def joined(self, names: Sequence[str]) -> np.ndarray:
+        """Tensors of equal trailing shape joined on their first axis, as float32: mapped in
+        place where the file holds them back to back in that order as float32 (llama.cpp's
+        converter writes a layer's q, k, v so), else a concatenation in memory."""
+        spans = [self.span(name) for name in names]
+        shapes = [self.tensor_shape(name) for name in names]
+        adjacent = all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
+        plain = all(self.tensor_type(name) == GGMLQuantizationType.F32 for name in names)
+        if not (adjacent and plain and len({shape[1:] for shape in shapes}) == 1):
+            return np.concatenate([self.tensor(name) for name in names])
+        shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+        return np.memmap(self.path, dtype=np.float32, mode="r", offset=spans[0][0], shape=shape)
 
     def read(self, name: str) -> np.ndarray:
         """A whole tensor as float32 in memory the process owns (`load`, dequantized if
