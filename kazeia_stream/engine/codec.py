@@ -782,9 +782,9 @@ class CodecDecoder:
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self._allocator = Allocator()  # one compute buffer for the products on ggml's kernels
-        rate = {id(matrix): columns for matrix, columns in self.products()}
+        columns_of = {id(matrix): columns for matrix, columns in self.products()}
         for conv in self._convs():
-            if rate[id(conv.products[0])] > SPLIT_COLUMNS:
+            if columns_of[id(conv.products[0])] > SPLIT_COLUMNS:
                 conv.split()
         for matrix, columns in self.products():
             if columns <= GGML_COLUMNS:

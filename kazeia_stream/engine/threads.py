@@ -4,7 +4,6 @@ cores the ggml graphs' calls lend to the codec decoder running beside them."""
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -104,8 +103,7 @@ class OthersLoad:
             if fields and fields[0] in self._cpus:
                 user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
                 busy += user + system + irq + softirq + steal + (nice if self._nice else 0)
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        return time.monotonic(), busy / self._tick, own.ru_utime + own.ru_stime
+        return time.monotonic(), busy / self._tick, time.process_time()
 
     def refresh(self) -> float:
         """The cores others used in the latest window, a new window begun if the last is
@@ -135,7 +133,7 @@ class SharedCores:
     talker step, asked for at the same moment) would otherwise run its whole step on too many
     threads beside the decode. Cores that other processes keep busy are held likewise
     (`OthersLoad`, rounded): beside one process spinning on one of 2 cores, a 40-frame run took
-    2.4x its quiet time with the generator on 2 threads, 1.5x on one.
+    2.4x its quiet time with the generator on 2 threads, 1.5-1.8x on one.
     """
 
     def __init__(self, count: int, others: OthersLoad | None = None) -> None:
