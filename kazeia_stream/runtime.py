@@ -60,34 +60,52 @@ class Runtime:
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        with ThreadPoolExecutor(1) as loader:
-            # The decoder's weights are read and its first frame decoded (no GIL held) while
-            # the code predictor and the talker take their weights in place in the files'
-            # mappings, and the pages of those are mapped now rather than in the first frame.
-            # The talker and the code predictor get no throw-away step: it delayed the first
-            # audio from process start by 0.1-0.5 s (a quiet to a busy host) and left the
-            # first utterance's time to first audio as it was (measured).
-            codec = loader.submit(_warm_decoder, model.mmproj_file, self.threads.decoder)
-            self.code_predictor = CodePredictor(
-                model.mmproj_file,
-                cfg.code_predictor,
-                self.threads.code_predictor,
-                cores=self.cores,
-                max_streams=max_streams,
-            )
-            self.talker = Talker(
-                model.talker_file, cfg.talker, self.threads.talker, slots=max_streams, cores=self.cores
-            )
-            for weights in (self.code_predictor.weights, self.talker.weights):
-                weights.prefault()
-            self.codec = codec.result()
+        # The decoder's weights are read and its first frame decoded in a thread of their own,
+        # holding a core, while the code predictor and the talker take their weights in place
+        # in the files' mappings (the pages of those mapped now rather than in the first frame)
+        # and, once the runtime is made, while a first utterance computes its prompt and first
+        # frame: only its decode waits for the decoder (`codec`). The talker and the code
+        # predictor get no throw-away step: it delayed the first audio from process start by
+        # 0.1-0.5 s (a quiet to a busy host) and left the first utterance's time to first audio
+        # as it was (measured).
+        loader = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
+        self._codec = loader.submit(self._load_codec, model.mmproj_file)
+        loader.shutdown(wait=False)
+        self.code_predictor = CodePredictor(
+            model.mmproj_file,
+            cfg.code_predictor,
+            self.threads.code_predictor,
+            cores=self.cores,
+            max_streams=max_streams,
+        )
+        self.talker = Talker(
+            model.talker_file, cfg.talker, self.threads.talker, slots=max_streams, cores=self.cores
+        )
+        for weights in (self.code_predictor.weights, self.talker.weights):
+            weights.prefault()
         model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
         self.generator = Generator(self.frames)
-        self.decoder = Decoder(self.codec, self.cores, lambda: self.admission.active)
+        self.decoder = Decoder(
+            lambda: self.codec, self.threads.decoder, self.cores, lambda: self.admission.active
+        )
         # the decoder state after each in-context voice's reference frames
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
+
+    def _load_codec(self, mmproj: GGUFFile) -> CodecDecoder:
+        """The codec decoder, after one throw-away frame (the first frame of an utterance is
+        decoded alone on every core, and this keeps its first-call setup out of that frame);
+        the graphs' calls meanwhile leave it a core."""
+        with self.cores.lend(1):
+            codec = CodecDecoder(mmproj, self.threads.decoder)
+            codec.decode(np.zeros((1, codec.num_groups), dtype=np.int64))
+        return codec
+
+    @property
+    def codec(self) -> CodecDecoder:
+        """The codec decoder, once loaded (it loads in a thread from the runtime's making)."""
+        return self._codec.result()
 
     @property
     def max_streams(self) -> int:
@@ -153,22 +171,29 @@ class Runtime:
         prime the decoder with an in-context voice's reference. Runs between the passes of
         other streams, in a free talker slot (none free: the utterance computes them)."""
         self.generator.prepare(probe)
-        self.decoder_state(voice)
+        if isinstance(voice, Voice) and voice.ref_codes is not None:
+            self._primed_state(voice)
 
     def decoder_state(self, voice: VoiceArg) -> DecoderState:
         """A decoder state to start an utterance from: a fresh one, or for an in-context voice
-        the state after its reference frames (decoded once per voice, on every core), so that
-        the first sample out is the first generated one. The official code decodes [reference
-        codes + generated codes] and cuts the reference's samples: the same samples."""
-        if not (isinstance(voice, Voice) and voice.ref_codes is not None):
-            return self.codec.new_state()
+        the state after its reference frames (`_primed_state`), so that the first sample out is
+        the first generated one. The official code decodes [reference codes + generated codes]
+        and cuts the reference's samples: the same samples."""
+        if isinstance(voice, Voice) and voice.ref_codes is not None:
+            return copy.deepcopy(self._primed_state(voice))
+        return self.codec.new_state()
+
+    def _primed_state(self, voice: Voice) -> DecoderState:
+        """The decoder state after an in-context voice's reference frames, decoded once per
+        voice, on every core."""
         primed = self._primed.get(voice)
         if primed is None:
             primed = self.codec.new_state()
             codes = voice.ref_codes
+            assert codes is not None  # an in-context voice
             self.decoder.call(lambda: self.codec.prime(primed, codes, self.threads.cores))
             self._primed[voice] = primed
-        return copy.deepcopy(primed)
+        return primed
 
     # -- voices --------------------------------------------------------------------------------
 
@@ -214,10 +239,12 @@ class Runtime:
                 )
                 state = self.generator.start(prompt, self.model.text_feed(prompt), options, rng)
                 try:
-                    decoder, first = self.decoder_state(voice), True
+                    decoder = None  # made once a frame exists: the decoder may still be loading
                     while (codes := self.generator.next_frame_sync(state)) is not None:
+                        first = decoder is None
+                        if decoder is None:
+                            decoder = self.decoder_state(voice)
                         yield self.decoder.decode_sync(decoder, codes[None], first)
-                        first = False
                 finally:
                     self.generator.finish(state)
 
@@ -276,14 +303,6 @@ class Runtime:
                     yield session
                 finally:
                     nursery.cancel_scope.cancel()
-
-
-def _warm_decoder(mmproj: GGUFFile, threads: int) -> CodecDecoder:
-    """The codec decoder, after one throw-away frame: the first frame of an utterance is
-    decoded alone on every core, and this keeps its first-call setup out of that frame."""
-    codec = CodecDecoder(mmproj, threads)
-    codec.decode(np.zeros((1, codec.num_groups), dtype=np.int64))
-    return codec
 
 
 def _in_trio() -> bool:

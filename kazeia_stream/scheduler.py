@@ -338,12 +338,15 @@ class _Decode:
 
 
 class Decoder(_Passes[_Decode, np.ndarray]):
-    """PCM of every stream's next frame, in shared passes of the codec decoder. While a pass
-    runs, it holds `threads` of the cores that the graphs' calls share (`SharedCores`)."""
+    """PCM of every stream's next frame, in shared passes of the codec decoder (`codec()`,
+    which a pass waits for while it loads). While a pass runs, it holds `threads` of the cores
+    that the graphs' calls share (`SharedCores`)."""
 
-    def __init__(self, codec: CodecDecoder, cores: SharedCores, streams: Callable[[], int]) -> None:
+    def __init__(
+        self, codec: Callable[[], CodecDecoder], threads: int, cores: SharedCores, streams: Callable[[], int]
+    ) -> None:
         super().__init__("kazeia-decoder")
-        self.codec, self.cores, self.streams = codec, cores, streams
+        self.codec, self.threads, self.cores, self.streams = codec, threads, cores, streams
 
     async def decode(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
         """The audio of the stream's next frame; `first`: its first, decoded ahead of others."""
@@ -354,7 +357,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
 
     def _submit(self, item: _Decode, result: _Result[np.ndarray]) -> None:
         with self._cond:
-            self.cores.asked = self.codec.threads
+            self.cores.asked = self.threads
             super()._submit(item, result)
 
     def _withdraw(self, result: _Result[np.ndarray]) -> None:
@@ -374,12 +377,13 @@ class Decoder(_Passes[_Decode, np.ndarray]):
     def _pass(self, batch: list[tuple[_Decode, _Result[np.ndarray]]]) -> None:
         # a first frame with no other stream running gets every core: nothing else can be heard
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
-        threads = self.cores.free() if alone else self.codec.threads
+        codec = self.codec()
+        threads = self.cores.free() if alone else self.threads
         with self.cores.lend(threads):
             with self._cond:
                 if not self._queue:  # the frames asked for are this pass's
                     self.cores.asked = 0
-            pcm = self.codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads)
+            pcm = codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads)
         with self._cond:
             for (_, result), p in zip(batch, pcm):
                 result.set(p)

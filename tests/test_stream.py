@@ -11,6 +11,8 @@ import trio
 
 import kazeia_stream
 from kazeia_stream import UsageError
+from kazeia_stream.engine.codec import CodecDecoder
+from kazeia_stream.engine.frames import FrameLoop
 from kazeia_stream.engine.ggml_graph import Graph
 from kazeia_stream.session import AUDIO_BUFFER, FRAME_BUFFER
 
@@ -250,6 +252,36 @@ async def test_a_runtime_is_built_off_the_event_loop(tiny_gguf):
         nursery.cancel_scope.cancel()
     assert isinstance(runtime, kazeia_stream.Runtime)
     assert ticks >= 0.3 * took / 0.005  # the loop ran while the engines were made
+
+
+async def test_a_first_utterance_is_generated_while_the_decoder_loads(tiny_gguf, runtime, monkeypatch):
+    """The codec decoder loads in a thread of its own: a runtime is usable at once, and only
+    the first decode waits for it. Its audio is the same."""
+    loaded, generated = threading.Event(), threading.Event()
+    make, frames = CodecDecoder.__init__, FrameLoop.next_frames
+
+    def slow(self, *args):
+        assert loaded.wait(30)
+        make(self, *args)
+
+    def noted(self, *args, **kwargs):
+        out = frames(self, *args, **kwargs)
+        generated.set()
+        return out
+
+    monkeypatch.setattr(CodecDecoder, "__init__", slow)
+    monkeypatch.setattr(FrameLoop, "next_frames", noted)
+    fresh = await kazeia_stream.Runtime.create(kazeia_stream.load_model(tiny_gguf("custom_voice")[0]))
+    async with fresh.open(voice="ryan", seed=5) as tts:
+        utterance = tts.speak(TEXT)
+        with trio.fail_after(30):
+            while not generated.is_set():
+                await trio.sleep(0.01)
+        assert not loaded.is_set() and utterance.metrics.first_audio is None
+        loaded.set()
+        pcm = await collect(utterance)
+    async with runtime.open(voice="ryan", seed=5) as tts:
+        assert same_audio(pcm, await collect(tts.speak(TEXT)))
 
 
 def test_synthesize_from_the_event_loop_thread_while_a_session_speaks_is_refused(runtime):

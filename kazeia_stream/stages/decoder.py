@@ -32,8 +32,8 @@ async def decode_frames(
     state: DecoderState | None = None
     async with frames, out:
         async for frame in frames:
-            if state is None or frame.new_segment:
-                state = new_state()
+            if state is None or frame.new_segment:  # in a thread: it waits while the decoder loads
+                state = await trio.to_thread.run_sync(new_state)
             start = time.perf_counter()
             pcm = await decoder.decode(state, frame.codes[None], first=metrics.first_audio is None)
             end = time.perf_counter()
