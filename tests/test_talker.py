@@ -78,3 +78,30 @@ def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(t
     talker.prefill(TalkerState(), eric.prefill)
     whole = talker.prefill(TalkerState(), other.prefill)
     assert np.abs(whole[1] - other_warm[1]).max() < 1e-4 * np.abs(whole[1]).max()
+
+
+def test_keeping_a_prompt_s_fixed_rows_computes_those_rows_and_no_more(tiny_runtime, monkeypatch):
+    """A session's rows computed ahead (`keep`) are its fixed rows only; an utterance after
+    them computes the rest, and gets what it gets from scratch."""
+    runtime = tiny_runtime("custom_voice")
+    model, talker = runtime.model, runtime.talker
+    prompt = model.prompt("Kept ahead.", voice="ryan")
+    talker.prefill(TalkerState(), model.pad_embedding[None])  # no fixed rows cached
+    cold = talker.prefill(TalkerState(), prompt.prefill, prompt.n_fixed)
+    talker.prefill(TalkerState(), model.pad_embedding[None])
+    rows_run = []
+    forward = talker.lm.forward
+    monkeypatch.setattr(
+        talker.lm,
+        "forward",
+        lambda embeds, *a, **kw: rows_run.append(len(embeds)) or forward(embeds, *a, **kw),
+    )
+    talker.keep(0, prompt.prefill[: prompt.n_fixed])
+    assert rows_run == [prompt.n_fixed]
+    rows_run.clear()
+    warm = talker.prefill(TalkerState(), prompt.prefill, prompt.n_fixed)
+    assert rows_run == [len(prompt.prefill) - prompt.n_fixed]
+    assert all(np.array_equal(a, b) for a, b in zip(cold, warm))
+    rows_run.clear()
+    talker.keep(0, prompt.prefill[: prompt.n_fixed])  # kept already: nothing to compute
+    assert rows_run == []

@@ -195,7 +195,7 @@ class FrameLoop:
     def prepare(self, prompt: Prompt, seq: int) -> None:
         """Compute a prompt's fixed rows into the free slot `seq` ahead of its utterances,
         between passes."""
-        self.talker.prefill(TalkerState(seq=seq), prompt.prefill, prompt.n_fixed)
+        self.talker.keep(seq, prompt.prefill[: prompt.n_fixed])
 
     def next_frame(self, state: FrameState) -> np.ndarray | None:
         """The codes [16] of the utterance's next frame, or None once it has ended (EOS, its

@@ -98,7 +98,8 @@ class Talker:
             if n_fixed:
                 pieces.append((0, fixed))
                 self._fixed[state.seq] = fixed.copy()
-        pieces.append((n_fixed, embeds[n_fixed:]))
+        if len(embeds) > n_fixed:
+            pieces.append((n_fixed, embeds[n_fixed:]))
         state.pos = len(embeds)
         return pieces
 
@@ -112,6 +113,12 @@ class Talker:
             out = self.lm.forward(rows, pos, slot=state.seq)
         assert out is not None
         return out
+
+    def keep(self, seq: int, fixed: np.ndarray) -> None:
+        """Compute a prompt's fixed rows into slot `seq` (when it does not hold them), ahead of
+        the utterances that start with them."""
+        for pos, rows in self.begin(TalkerState(seq=seq), fixed, len(fixed)):
+            self.lm.forward(rows, pos, slot=seq)
 
     def step(self, state: TalkerState, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed one input embedding [H]; returns the next (hidden, logits)."""
