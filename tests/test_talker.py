@@ -15,6 +15,16 @@ from kazeia_stream.engine.talker import TalkerState
 REFS = Path(__file__).parent / "data" / "refs"
 
 
+def rows_counted(talker, monkeypatch) -> list[int]:
+    """The row count of each forward call the talker makes from now on."""
+    rows: list[int] = []
+    forward = talker.lm.forward
+    monkeypatch.setattr(
+        talker.lm, "forward", lambda embeds, *a, **kw: rows.append(len(embeds)) or forward(embeds, *a, **kw)
+    )
+    return rows
+
+
 def _case_prompt(model: kazeia_stream.Model, ref) -> kazeia_stream.model.prompt.Prompt:
     case = json.loads(str(ref["case_json"]))
     return model.prompt(
@@ -43,13 +53,7 @@ def test_teacher_forced_talker_matches_the_official_logits(kind, tiny_runtime):
 def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_runtime, monkeypatch):
     runtime = tiny_runtime("custom_voice")
     model, talker = runtime.model, runtime.talker
-    rows_run = []
-    forward = talker.lm.forward
-    monkeypatch.setattr(
-        talker.lm,
-        "forward",
-        lambda embeds, *a, **kw: rows_run.append(len(embeds)) or forward(embeds, *a, **kw),
-    )
+    rows_run = rows_counted(talker, monkeypatch)
     hello, other = (model.prompt(t, voice="ryan") for t in ("Hello there.", "Something else."))
     eric = model.prompt("Hello there.", voice="eric")
 
@@ -89,13 +93,7 @@ def test_keeping_a_prompt_s_fixed_rows_computes_those_rows_and_no_more(tiny_runt
     talker.prefill(TalkerState(), model.pad_embedding[None])  # no fixed rows cached
     cold = talker.prefill(TalkerState(), prompt.prefill, prompt.n_fixed)
     talker.prefill(TalkerState(), model.pad_embedding[None])
-    rows_run = []
-    forward = talker.lm.forward
-    monkeypatch.setattr(
-        talker.lm,
-        "forward",
-        lambda embeds, *a, **kw: rows_run.append(len(embeds)) or forward(embeds, *a, **kw),
-    )
+    rows_run = rows_counted(talker, monkeypatch)
     talker.keep(0, prompt.prefill[: prompt.n_fixed])
     assert rows_run == [prompt.n_fixed]
     rows_run.clear()
