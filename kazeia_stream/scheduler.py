@@ -117,12 +117,18 @@ class _Passes(Generic[Item, T]):
         _live.add(self)
 
     # -- callers --------------------------------------------------------------------------------
+    # Those that take the thread's lock from trio's thread are KI-protected: a Ctrl-C (or the
+    # CLI's SIGTERM, raised as one) between taking a lock and entering its `with` block would
+    # leave it held for good, and the engine thread, then the exit, would wait on it forever
+    # (seen: a SIGTERM while writing a file hung the CLI at exit, 1 CI run in ~10).
 
+    @trio.lowlevel.enable_ki_protection
     def _submit(self, item: Item, result: _Result[T]) -> None:
         with self._cond:
             self._queue.append((item, result))
             self._wake()
 
+    @trio.lowlevel.enable_ki_protection
     def _withdraw(self, result: _Result[T]) -> None:
         with self._cond:
             self._queue = [(i, r) for i, r in self._queue if r is not result]
@@ -246,11 +252,13 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
         self._others = False  # the pass being taken leaves other streams waiting
         self._going: list[FrameState] = []  # streams of the pass that go on
 
+    @trio.lowlevel.enable_ki_protection  # called from trio's thread too (`_Passes._submit`)
     def start(self, *args: Any) -> FrameState:
         """`FrameLoop.start` (takes a talker slot)."""
         with self._cond:
             return self.frames.start(*args)
 
+    @trio.lowlevel.enable_ki_protection
     def finish(self, state: FrameState) -> None:
         """The stream has ended or left: its slot is free at once (a pass that holds it still
         ends it; the slot's next stream starts from its prefill in a later pass)."""
@@ -355,11 +363,13 @@ class Decoder(_Passes[_Decode, np.ndarray]):
     def decode_sync(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
         return self._ask_sync(_Decode(state, codes, first))
 
+    @trio.lowlevel.enable_ki_protection
     def _submit(self, item: _Decode, result: _Result[np.ndarray]) -> None:
         with self._cond:
             self.cores.asked = self.threads
             super()._submit(item, result)
 
+    @trio.lowlevel.enable_ki_protection
     def _withdraw(self, result: _Result[np.ndarray]) -> None:
         with self._cond:
             super()._withdraw(result)
@@ -403,6 +413,7 @@ class Admission:
         self._lock = threading.Lock()
         self._waiting: deque[_Result[None]] = deque()
 
+    @trio.lowlevel.enable_ki_protection  # its lock, like the passes' (`_Passes._submit`)
     def _try(self, result: _Result[None] | None = None) -> bool:
         """A place now, if one is free and nobody waits for one; else `result` waits in line."""
         with self._lock:
@@ -422,6 +433,7 @@ class Admission:
         if not self._try(result):
             result.wait()
 
+    @trio.lowlevel.enable_ki_protection
     async def acquire(self) -> None:
         result: _Result[None] = _Result(in_trio=True)
         if self._try(result):
@@ -437,6 +449,7 @@ class Admission:
                 self.release()
             raise
 
+    @trio.lowlevel.enable_ki_protection
     def release(self) -> None:
         """A stream ended: the longest-waiting one takes its place."""
         with self._lock:

@@ -284,6 +284,42 @@ async def test_a_first_utterance_is_generated_while_the_decoder_loads(tiny_gguf,
         assert same_audio(pcm, await collect(tts.speak(TEXT)))
 
 
+class _Watched:
+    """A lock that notes, when trio's thread takes it, whether a Ctrl-C would wait meanwhile."""
+
+    def __init__(self, lock, protected: list[bool]) -> None:
+        self.lock, self.protected = lock, protected
+
+    def __enter__(self):
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:  # an engine thread
+            pass
+        else:
+            self.protected.append(trio.lowlevel.currently_ki_protected())
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+    def __getattr__(self, name):  # wait, notify_all: the engine threads'
+        return getattr(self.lock, name)
+
+
+async def test_trio_s_thread_holds_the_engines_locks_only_where_a_ctrl_c_waits(runtime, monkeypatch):
+    """A KeyboardInterrupt between taking a lock and entering its block would leave it held
+    and hang the engine thread and the exit (a SIGTERM while writing a file did)."""
+    protected: list[bool] = []
+    for passes in (runtime.generator, runtime.decoder):
+        monkeypatch.setattr(passes, "_cond", _Watched(passes._cond, protected))
+    monkeypatch.setattr(runtime.admission, "_lock", _Watched(runtime.admission._lock, protected))
+    async with runtime.open(voice="ryan", seed=5) as tts:
+        await collect(tts.speak(TEXT))
+        with trio.move_on_after(0.05):  # cancelled while it waits: its request is withdrawn
+            await collect(tts.speak(TEXT))
+    assert len(protected) > 10 and all(protected)
+
+
 def test_synthesize_from_the_event_loop_thread_while_a_session_speaks_is_refused(runtime):
     async def main():
         async with runtime.open(voice="ryan", seed=5) as tts:

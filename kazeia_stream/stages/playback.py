@@ -29,6 +29,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
+import trio
 
 from ..errors import UsageError
 
@@ -196,6 +197,10 @@ class AudioPlayer:
 
     # -- producer side ---------------------------------------------------------------------
 
+    # The producer's calls take the queue's lock from trio's thread: KI-protected, like the
+    # scheduler's (`scheduler._Passes._submit`), so that a Ctrl-C never leaves it held.
+
+    @trio.lowlevel.enable_ki_protection
     def write(self, pcm: np.ndarray) -> None:
         """Queue mono PCM (float32 in [-1, 1]); returns at once. The data is copied."""
         data = np.array(pcm, dtype=np.float32, copy=True)
@@ -216,6 +221,7 @@ class AudioPlayer:
             self._queued += data.size
             self._idle.clear()
 
+    @trio.lowlevel.enable_ki_protection
     def end_of_stream(self) -> None:
         """The current utterance is complete: play what is queued even below the prebuffer."""
         with self._lock:
@@ -272,8 +278,6 @@ class AudioPlayer:
 
     async def drain(self, poll_s: float = 0.005) -> None:
         """trio: like `wait_done()` without a thread; cancellable."""
-        import trio
-
         if self._stream is None:
             raise UsageError("AudioPlayer.drain() before start()")
         self.end_of_stream()
@@ -283,6 +287,7 @@ class AudioPlayer:
 
     # -- internals -------------------------------------------------------------------------
 
+    @trio.lowlevel.enable_ki_protection
     def _clear(self) -> None:
         with self._lock:
             self._chunks.clear()
