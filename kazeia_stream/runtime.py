@@ -171,26 +171,25 @@ class Runtime:
         prime the decoder with an in-context voice's reference. Runs between the passes of
         other streams, in a free talker slot (none free: the utterance computes them)."""
         self.generator.prepare(probe)
-        if isinstance(voice, Voice) and voice.ref_codes is not None:
-            self._primed_state(voice)
+        self._primed_state(voice)
 
     def decoder_state(self, voice: VoiceArg) -> DecoderState:
         """A decoder state to start an utterance from: a fresh one, or for an in-context voice
         the state after its reference frames (`_primed_state`), so that the first sample out is
         the first generated one. The official code decodes [reference codes + generated codes]
         and cuts the reference's samples: the same samples."""
-        if isinstance(voice, Voice) and voice.ref_codes is not None:
-            return copy.deepcopy(self._primed_state(voice))
-        return self.codec.new_state()
+        primed = self._primed_state(voice)
+        return self.codec.new_state() if primed is None else copy.deepcopy(primed)
 
-    def _primed_state(self, voice: Voice) -> DecoderState:
-        """The decoder state after an in-context voice's reference frames, decoded once per
-        voice, on every core."""
+    def _primed_state(self, voice: VoiceArg) -> DecoderState | None:
+        """For an in-context voice, the decoder state after its reference frames, decoded once
+        per voice, on every core; None for any other voice."""
+        if not isinstance(voice, Voice) or voice.ref_codes is None:
+            return None
         primed = self._primed.get(voice)
         if primed is None:
             primed = self.codec.new_state()
             codes = voice.ref_codes
-            assert codes is not None  # an in-context voice
             self.decoder.call(lambda: self.codec.prime(primed, codes, self.threads.cores))
             self._primed[voice] = primed
         return primed

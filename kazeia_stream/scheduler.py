@@ -120,7 +120,7 @@ class _Passes(Generic[Item, T]):
     # Those that take the thread's lock from trio's thread are KI-protected: a Ctrl-C (or the
     # CLI's SIGTERM, raised as one) between taking a lock and entering its `with` block would
     # leave it held for good, and the engine thread, then the exit, would wait on it forever
-    # (seen: a SIGTERM while writing a file hung the CLI at exit, 1 CI run in ~10).
+    # (seen: a SIGTERM while writing a file hung the CLI at exit, in one CI run of six).
 
     @trio.lowlevel.enable_ki_protection
     def _submit(self, item: Item, result: _Result[T]) -> None:

@@ -28,12 +28,14 @@ DECODER_THREADS = 1
 DECODER_GGML_THREADS = 1
 
 
+def _affinity() -> set[int]:
+    """The CPUs this process may run on; empty where the system does not say (not Linux)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
 def available_cores() -> int:
     """The cores this process may run on (its CPU affinity, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return len(_affinity()) or os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,7 @@ class OthersLoad:
     WINDOW_S = 0.25
 
     def __init__(self) -> None:
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
-        self._cpus = {f"cpu{i}".encode() for i in cpus}
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._cpus = {f"cpu{i}".encode() for i in _affinity()}
         self._nice = hasattr(os, "getpriority") and os.getpriority(os.PRIO_PROCESS, 0) > 0
         self._lock = threading.Lock()
         self._last = self._sample()
@@ -103,7 +103,7 @@ class OthersLoad:
             if fields and fields[0] in self._cpus:
                 user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
                 busy += user + system + irq + softirq + steal + (nice if self._nice else 0)
-        return time.monotonic(), busy / self._tick, time.process_time()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
 
     def refresh(self) -> float:
         """The cores others used in the latest window, a new window begun if the last is
