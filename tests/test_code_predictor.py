@@ -6,10 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
 
 import kazeia_stream
 from kazeia_stream.engine.code_predictor import CodePredictor
 from kazeia_stream.model import gguf_layout as L
+from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
 KINDS = ("custom_voice", "voice_design")  # voice_design: talker hidden 96 != 64, projection exists
@@ -98,7 +100,7 @@ def test_exact_mode_is_the_same_on_an_f32_file(case):
 @pytest.mark.parametrize("out_type, tol", [("f16", 0.01), ("q8_0", 0.25)])
 def test_f16_and_q8_0_files_stay_close_in_both_modes(tiny_gguf, out_type, tol):
     """Quantized weights move the logits (max |logit| is about 5 here); the default mode's
-    F16 / Q8_0 ffn_down (F32 in the file) must not move them much further."""
+    F16 ffn_down (F32 in an f16 file) must not move them much further."""
     ref = np.load(REFS / "talker_custom_voice.npz")
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
     for exact in (True, False):
@@ -116,6 +118,38 @@ def test_f16_and_q8_0_files_stay_close_in_both_modes(tiny_gguf, out_type, tol):
         np.testing.assert_allclose(embedding, expected, atol=1e-5, rtol=1e-5)
         assert np.abs(logits - ref["cp_logits"]).max() <= tol, (out_type, exact)
         assert (logits.argmax(-1) == ref["cp_logits"].argmax(-1)).mean() >= 0.95, (out_type, exact)
+
+
+def test_a_q8_0_file_with_llama_cpps_f32_ffn_down_gives_the_same_logits(
+    tiny_gguf, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """llama.cpp's converter keeps the code predictor's ffn_down F32 in a q8_0 mmproj, where ours
+    writes it Q8_0: the engine quantizes that F32 one at load with libggml's quantizer, to the
+    bytes our converter writes, so both files give the same logits (and the F32 one keeps its
+    F32 ffn_down in exact mode)."""
+    from kazeia_stream.model import convert as convert_module
+
+    def llama_cpps_type(t, out_type):
+        return QType.F32 if t.name.endswith(".ffn_down.weight") else rule(t, out_type)
+
+    rule = convert_module._ggml_type
+    monkeypatch.setattr(convert_module, "_ggml_type", llama_cpps_type)
+    talker, published = convert_module.convert(tiny_checkpoint("custom_voice"), tmp_path, "q8_0")
+    monkeypatch.undo()
+    ours = tiny_gguf("custom_voice", "q8_0")[1]
+    down = L.CP_FFN_DOWN.format(bid=0)
+    model = kazeia_stream.load_model(talker)
+    assert GGUFFile(published).tensor_type(down) == QType.F32
+    assert GGUFFile(ours).tensor_type(down) == QType.Q8_0
+    ref = np.load(REFS / "talker_custom_voice.npz")
+    h, codes = ref["talker_hidden"][1], ref["codes"][1]
+    logits = {}
+    for path, exact in ((published, False), (ours, False), (published, True)):
+        cp = CodePredictor(GGUFFile(path), model.config.code_predictor, 1, exact=exact)
+        logits[path, exact] = cp.teacher_forced_logits(h, codes)
+        cp.close()
+    np.testing.assert_array_equal(logits[published, False], logits[ours, False])
+    assert 0 < np.abs(logits[published, True] - logits[ours, False]).max() < 0.25
 
 
 def test_f16_ffn_down_input_beyond_f16_range_stays_finite(tiny_gguf, monkeypatch, tmp_path):

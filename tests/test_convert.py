@@ -289,10 +289,12 @@ def test_talker_decodes_codec_logits(llama, tiny_gguf):
 def expected_type(name: str, shape: tuple[int, ...], out_type: str) -> QType:
     cp_ffn_down = name.startswith("a.gen.code.blk.") and name.endswith(".ffn_down.weight")
     speaker_encoder = not name.startswith(("a.gen.", L.ENC_PREFIX)) and name.startswith(("a.", "mm.a."))
-    f32 = name.startswith((L.WAV_PREFIX, L.ENC_PREFIX)) or cp_ffn_down or speaker_encoder
+    f32 = name.startswith((L.WAV_PREFIX, L.ENC_PREFIX)) or speaker_encoder
     if out_type == "f32" or len(shape) < 2 or f32:
         return QType.F32
-    return QType.Q8_0 if out_type == "q8_0" and shape[-1] % 32 == 0 else QType.F16
+    if out_type == "q8_0" and shape[-1] % 32 == 0:
+        return QType.Q8_0
+    return QType.F32 if cp_ffn_down else QType.F16
 
 
 @pytest.mark.parametrize("out_type", ["f16", "q8_0"])

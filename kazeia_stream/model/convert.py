@@ -8,6 +8,8 @@ purpose:
 - the pre-tokenizer is written as `qwen2` directly (llama.cpp's converter refuses vocabularies
   whose hash it does not know);
 - the codec decoder (`a.gen.wav.*`) and the speaker encoder stay F32 whatever the type;
+- in a `q8_0` mmproj the code predictor's `ffn_down` is Q8_0 (llama.cpp keeps it F32 for F16's
+  range, which Q8_0's per-block scales do not need; the engine would quantize it at every load);
 - Base models also get the codec encoder (`kazeia.enc.*`, F32), which llama.cpp does not convert:
   in-context cloning needs it to turn the reference recording into codes;
 - a checkpoint without speaker encoder (CustomVoice, VoiceDesign) gets an mmproj without one
@@ -346,10 +348,11 @@ class _Tensor:
     shape: tuple[int, ...]
     chunks: Callable[[], Iterable[np.ndarray]]
     keep_f32: bool = False
+    no_f16: bool = False  # F32 where the type would make it F16 (its input exceeds F16's range)
 
 
-def _copy(st: _SafeTensors, src: str, dst: str, keep_f32: bool = False) -> _Tensor:
-    return _Tensor(dst, st.shape(src), lambda: [st.read(src)], keep_f32)
+def _copy(st: _SafeTensors, src: str, dst: str, no_f16: bool = False) -> _Tensor:
+    return _Tensor(dst, st.shape(src), lambda: [st.read(src)], no_f16=no_f16)
 
 
 def _pair(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
@@ -459,10 +462,12 @@ def _code_predictor_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     if st.has(f"{cp}small_to_mtp_projection.weight"):
         tensors += _pair(st, f"{cp}small_to_mtp_projection", L.CP_PROJ_IN)
     for bid in range(ckpt.code_predictor["num_hidden_layers"]):
-        # ffn_down stays F32 as in llama.cpp: its input peaks near 1.5e5, beyond F16, and
-        # ggml's mul_mat casts the input to the weight's type
+        # ffn_down never F16 (F32 instead, as in llama.cpp): its input peaks near 1.5e5, beyond
+        # F16, and ggml's mul_mat casts the input to the weight's type. Q8_0 scales each block
+        # of the input, so a q8_0 file has it Q8_0 (llama.cpp's F32 there, which the engine
+        # quantizes at every load, cost 0.1-0.3 s of a first audio from process start).
         tensors += [
-            _copy(st, f"{cp}model.layers.{bid}.{src}", dst.format(bid=bid), keep_f32=dst == L.CP_FFN_DOWN)
+            _copy(st, f"{cp}model.layers.{bid}.{src}", dst.format(bid=bid), no_f16=dst == L.CP_FFN_DOWN)
             for src, dst in _CP_LAYER.items()
         ]
     return tensors
@@ -807,12 +812,13 @@ def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float | str) ->
 
 def _ggml_type(t: _Tensor, out_type: str) -> QType:
     """llama.cpp's rules: vectors F32; the codec decoder and encoder, the speaker encoder and
-    forced tensors F32 (ours); rows that are not whole Q8_0 blocks fall back to F16."""
+    forced tensors F32 (ours); rows that are not whole Q8_0 blocks fall back to F16, or F32
+    where F16 would overflow."""
     if out_type == "f32" or len(t.shape) < 2 or t.keep_f32 or t.name.startswith((L.WAV_PREFIX, L.ENC_PREFIX)):
         return QType.F32
     if out_type == "q8_0" and t.shape[-1] % gguf.GGML_QUANT_SIZES[QType.Q8_0][0] == 0:
         return QType.Q8_0
-    return QType.F16
+    return QType.F32 if t.no_f16 else QType.F16
 
 
 def _encode(a: np.ndarray, qtype: QType) -> np.ndarray:
