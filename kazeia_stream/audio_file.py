@@ -18,7 +18,7 @@ import numpy as np
 import soundfile as sf
 
 from .errors import OutputError, UsageError
-from .stages.sinks import pcm_bytes
+from .pcm import pcm_bytes
 
 
 def _target(path: Path) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import KazeiaError, UsageError, leaf
-from .stages.sinks import FORMATS
+from .pcm import FORMATS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -161,15 +161,15 @@ def _runtime(args: argparse.Namespace, model: Model, max_streams: int = 1) -> Ru
 
 
 def cmd_speak(args: argparse.Namespace) -> int:
-    import trio
-
-    from . import live
-
     if args.pipe and (args.text is not None or args.output):
         raise UsageError("--pipe reads the text from stdin and writes PCM to stdout: no TEXT or -o")
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
-    model = _model(args)
+    model = _model(args)  # first: libllama reads its vocabulary in a thread while these import
+    import trio
+
+    from . import live
+
     session = dict(**_voice(args, model), seed=args.seed)
     runtime = _runtime(args, model)
     if args.pipe:

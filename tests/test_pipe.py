@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from kazeia_stream.stages.sinks import pcm_bytes
+from kazeia_stream.pcm import pcm_bytes
 
 pytestmark = [pytest.mark.subprocess]
 

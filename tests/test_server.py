@@ -25,7 +25,7 @@ import websockets
 from decoding import decode
 
 import kazeia_stream
-from kazeia_stream.stages.sinks import pcm_bytes
+from kazeia_stream.pcm import pcm_bytes
 
 pytestmark = pytest.mark.subprocess
 

@@ -16,7 +16,7 @@ from kazeia_stream.bench import costs, median, pipeline_floor_ms
 from kazeia_stream.engine.frames import frame_cap
 from kazeia_stream.engine.threads import available_cores
 from kazeia_stream.model import gguf_layout as L
-from kazeia_stream.stages.sinks import pcm_bytes
+from kazeia_stream.pcm import pcm_bytes
 
 REFS = Path(__file__).parent / "data" / "refs"
 TEXT = "Hello there, this is a tiny test."

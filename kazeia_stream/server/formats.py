@@ -4,7 +4,7 @@ The server hands 24 kHz float PCM chunks to an encoder as they are produced and 
 each `write` returns to the client at once, so a byte once returned is final: no encoder here
 ever goes back to rewrite it, and what the client receives, concatenated, decodes.
 
-- `pcm`: raw s16le mono, the same bytes as the CLI's `--pipe` (`stages.sinks.pcm_bytes`: clip to
+- `pcm`: raw s16le mono, the same bytes as the CLI's `--pipe` (`pcm.pcm_bytes`: clip to
   [-1, 1], times 32767, round half to even).
 - `wav`: a 44-byte RIFF/WAVE header for unknown length (the RIFF and data sizes 0xFFFFFFFF; as
   for a pipe, libsndfile and sox then take the length from the data), then the `pcm` bytes.
@@ -43,7 +43,7 @@ import numpy as np
 import soundfile as sf
 
 from ..errors import UsageError
-from ..stages.sinks import pcm_bytes
+from ..pcm import pcm_bytes
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from .. import __version__
 from ..errors import KazeiaError, UsageError
 from ..model.model import VoiceArg
 from ..model.segments import Segmenter
+from ..pcm import pcm_bytes
 from ..runtime import Runtime
-from ..stages.sinks import pcm_bytes
 from .voices import ServerVoices
 
 log = logging.getLogger(__name__)

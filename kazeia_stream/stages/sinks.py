@@ -5,22 +5,13 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import trio
 
 from ..channels import SpokenAudio
+from ..pcm import pcm_bytes
 from .playback import AudioPlayer, prebuffer_for
 
 log = logging.getLogger(__name__)
-
-FORMATS = ("s16le", "f32le")
-
-
-def pcm_bytes(pcm: np.ndarray, fmt: str) -> bytes:
-    """Raw little-endian PCM: 16-bit integers (clipped, rounded) or 32-bit floats."""
-    if fmt == "f32le":
-        return pcm.astype("<f4").tobytes()
-    return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
 async def play(
