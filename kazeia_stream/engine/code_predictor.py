@@ -14,8 +14,9 @@ beside it (see `qwen3.Qwen3LM._product`).
 Weight types (`exact=False`, the default): the stored ones, except the F32 `ffn_down` that
 converters keep because its input peaks near 1.5e5, beyond F16 (ggml casts a product's input to
 the weight's type). In an F16 file it becomes F16, with its input scaled down by 2^-6 and its
-output scaled back (powers of two: exact); in a Q8_0 file it becomes Q8_0 (per-block scales, no
-range issue). Bytes read per pass at 0.6B: F16 file 189 -> 157 MB, Q8_0 file 130 -> 84 MB.
+output scaled back (powers of two: exact); in a Q8_0 file of llama.cpp's converter it becomes
+Q8_0 (per-block scales, no range issue; ours stores it so). Bytes read per pass at 0.6B: F16
+file 189 -> 157 MB, Q8_0 file 84 MB (130 -> 84 for llama.cpp's).
 `exact=True` keeps every stored type (hidden states within ~1e-6 of float32). An all-F32 file
 is the same either way. The KV cache is F32, 16 positions per stream (640 KiB at 0.6B).
 
