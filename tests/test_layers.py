@@ -18,7 +18,7 @@ BELOW = {
     "model": {"errors", "ggml_lib"},
     "engine": {"errors", "ggml_lib", "model"},
     "channels": {"errors", "engine"},
-    "stages": {"errors", "model", "engine", "channels", "scheduler"},
+    "stages": {"errors", "pcm", "model", "engine", "channels", "scheduler"},
 }
 
 
@@ -57,6 +57,19 @@ def test_importing_the_package_and_its_pure_modules_starts_no_libllama_nor_trio(
         "import sys, kazeia_stream, kazeia_stream.model.segments, kazeia_stream.model.text_stream,"
         " kazeia_stream.model.prompt; print(sorted(m for m in sys.modules if m.startswith("
         "('llama_cpp', 'trio'))))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.subprocess
+def test_the_command_line_imports_the_engines_and_trio_only_once_its_model_loads():
+    """`kazeia-stream` starts libllama's load of the vocabulary (a thread) before it imports the
+    engines, the stages and trio, which then import beside that load (cli.cmd_speak)."""
+    code = (
+        "import sys, kazeia_stream.cli; print(sorted(m for m in sys.modules if m.startswith("
+        "('trio', 'kazeia_stream.engine', 'kazeia_stream.stages', 'kazeia_stream.runtime'))))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
