@@ -60,14 +60,14 @@ class Runtime:
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        # The decoder's weights are read and its first frame decoded in a thread of their own,
-        # holding a core, while the code predictor and the talker take their weights in place
-        # in the files' mappings (the pages of those mapped now rather than in the first frame)
-        # and, once the runtime is made, while a first utterance computes its prompt and first
-        # frame: only its decode waits for the decoder (`codec`). The talker and the code
-        # predictor get no throw-away step: it delayed the first audio from process start by
-        # 0.1-0.5 s (a quiet to a busy host) and left the first utterance's time to first audio
-        # as it was (measured).
+        # The decoder's weights are read in a thread of their own, holding a core, while the
+        # code predictor and the talker take their weights in place in the files' mappings
+        # (the pages of those mapped now rather than in the first frame) and, once the runtime
+        # is made, while a first utterance computes its prompt and first frame: only its decode
+        # waits for the decoder (`codec`). No engine gets a throw-away step: the talker's and
+        # the code predictor's delayed the first audio from process start by 0.1-0.5 s (a quiet
+        # to a busy host), the decoder's by 0.1 s (its frame took the core the session's first
+        # rows needed), and each saved its engine's first call 20 ms at most (measured).
         loader = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
         self._codec = loader.submit(self._load_codec, model.mmproj_file)
         loader.shutdown(wait=False)
@@ -94,13 +94,9 @@ class Runtime:
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
 
     def _load_codec(self, mmproj: GGUFFile) -> CodecDecoder:
-        """The codec decoder, after one throw-away frame (the first frame of an utterance is
-        decoded alone on every core, and this keeps its first-call setup out of that frame);
-        the graphs' calls meanwhile leave it a core."""
+        """The codec decoder; the graphs' calls meanwhile leave it a core."""
         with self.cores.lend(1):
-            codec = CodecDecoder(mmproj, self.threads.decoder)
-            codec.decode(np.zeros((1, codec.num_groups), dtype=np.int64))
-        return codec
+            return CodecDecoder(mmproj, self.threads.decoder)
 
     @property
     def codec(self) -> CodecDecoder:
