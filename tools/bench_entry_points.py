@@ -2,7 +2,9 @@
 """Time the command line from process start, as a user runs it: `--pipe` (first PCM byte and
 the whole run) and `-o FILE` (the whole run), for the same text and seed, `--repeat` times
 each, interleaved. With `--busy`, the same again beside one other process spinning on one core.
-Prints one JSON line: the medians (s), and with --busy each one's ratio to the quiet run.
+Prints one JSON line: the medians (s), each one's audio length, `--pipe`'s real-time factor
+after its first byte (to compare with `bench --pipeline`'s RTF, which counts from the text),
+`-o`'s from process start, and with --busy each time's ratio to the quiet run.
 
     python tools/bench_entry_points.py --model M --repeat 3 --busy
 """
@@ -19,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import soundfile as sf
+
 TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
 
 
@@ -27,8 +31,8 @@ def _spin() -> None:
         pass
 
 
-def pipe(model: str, seed: int) -> tuple[float, float]:
-    """(first byte, whole run) of `kazeia-stream --pipe`, from process start."""
+def pipe(model: str, seed: int) -> tuple[float, float, int]:
+    """(first byte, whole run, samples) of `kazeia-stream --pipe` (s16le), from process start."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kazeia_stream", "--pipe", "--model", model, "--seed", str(seed)],
@@ -42,36 +46,46 @@ def pipe(model: str, seed: int) -> tuple[float, float]:
     if not proc.stdout.read(1):
         raise SystemExit("--pipe wrote nothing")
     first = time.perf_counter() - start
-    proc.stdout.read()
+    rest = proc.stdout.read()
     if proc.wait():
         raise SystemExit(f"--pipe exited with {proc.returncode}")
-    return first, time.perf_counter() - start
+    return first, time.perf_counter() - start, (1 + len(rest)) // 2
 
 
-def output(model: str, seed: int, path: Path) -> float:
-    """The whole run of `kazeia-stream -o FILE`, from process start."""
+def output(model: str, seed: int, path: Path) -> tuple[float, float, int]:
+    """(whole run, audio seconds, sample rate) of `kazeia-stream -o FILE`, from process start."""
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "kazeia_stream", "--model", model, "--seed", str(seed), "-o", str(path), TEXT],
         check=True,
         stderr=subprocess.DEVNULL,
     )
-    return time.perf_counter() - start
+    wall, info = time.perf_counter() - start, sf.info(str(path))
+    return wall, info.duration, info.samplerate
 
 
 def measure(model: str, repeat: int, seed: int) -> dict[str, float]:
-    firsts, pipes, outs = [], [], []
+    firsts, pipes, piped_s, outs, out_s = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeat):
-            first, whole = pipe(model, seed)
+            first, whole, samples = pipe(model, seed)
+            wall, seconds, rate = output(model, seed, Path(tmp) / "out.wav")
             firsts.append(first)
             pipes.append(whole)
-            outs.append(output(model, seed, Path(tmp) / "out.wav"))
+            piped_s.append(samples / rate)
+            outs.append(wall)
+            out_s.append(seconds)
+    first, piped, out = map(statistics.median, (firsts, pipes, outs))
+    pipe_rtfs = [(p - f) / a for p, f, a in zip(pipes, firsts, piped_s)]
     return {
-        "pipe_first_byte_s": round(statistics.median(firsts), 3),
-        "pipe_wall_s": round(statistics.median(pipes), 3),
-        "output_wall_s": round(statistics.median(outs), 3),
-        "output_over_pipe": round(statistics.median(outs) / statistics.median(pipes), 3),
+        "pipe_first_byte_s": round(first, 3),
+        "pipe_wall_s": round(piped, 3),
+        "output_wall_s": round(out, 3),
+        "output_over_pipe": round(out / piped, 3),
+        "pipe_audio_s": round(statistics.median(piped_s), 3),
+        "output_audio_s": round(statistics.median(out_s), 3),
+        "pipe_rtf_after_first_byte": round(statistics.median(pipe_rtfs), 3),
+        "output_rtf": round(statistics.median(w / a for w, a in zip(outs, out_s)), 3),
     }
 
 
