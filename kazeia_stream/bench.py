@@ -120,7 +120,9 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     the talker and the code predictor read their weights at the memory bandwidth of their
     threads, the decoder's matrix products run alone on its kernels and shapes (one frame per
     push, as measured); the pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure
-    over its floor."""
+    over its floor. The decoder's floor has each product's weights in the caches; the same
+    products one after the other as a decode runs them (`decoder_products_in_order_ms`) read
+    their weights from memory, as a decode does (a frame's are several times the caches)."""
     cost = costs(runtime)
     threads = runtime.threads.talker
     with runtime.cores.lend(runtime.threads.decoder):
@@ -130,6 +132,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
     }
     floor_ms["decoder"] = 1e3 * runtime.codec.products_time(1)
+    in_order_ms = 1e3 * runtime.codec.products_time(1, in_order=True)
     generator_bytes = cost["talker"]["bytes"] + cost["code_predictor"]["bytes"]
     frame_ms = 1e3 * runtime.codec.samples_per_frame / runtime.model.sample_rate
     floor = pipeline_floor_ms(generator_bytes, floor_ms["decoder"], bandwidth[beside], bandwidth[threads])
@@ -140,6 +143,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
         "read_gb_s": {str(n): _digits(v) for n, v in bandwidth.items()},
         "floor_ms_per_frame": {stage: _digits(v) for stage, v in floor_ms.items()},
         "floor_rtf": _digits(floor_rtf),
+        "decoder_products_in_order_ms": _digits(in_order_ms),
         "x_floor": {
             **{stage: _digits(ms[stage] / v) for stage, v in floor_ms.items()},
             "rtf": _digits(measured["rtf"] / floor_rtf),

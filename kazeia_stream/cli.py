@@ -393,7 +393,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"decoder {ms['decoder']} ms; peak RSS {result['peak_rss_mb']:.0f} MB\n"
         f"this machine's floor: talker {floor['talker']} ms, code predictor "
         f"{floor['code_predictor']} ms, decoder {floor['decoder']} ms, RTF {result['floor_rtf']:.2f} "
-        f"(measured / floor: {x['talker']}, {x['code_predictor']}, {x['decoder']}, RTF {x['rtf']})",
+        f"(measured / floor: {x['talker']}, {x['code_predictor']}, {x['decoder']}, RTF {x['rtf']}); "
+        f"the decoder's products in a decode's order, weights from memory: "
+        f"{result['decoder_products_in_order_ms']} ms",
         result,
         args.json,
     )

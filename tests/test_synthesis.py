@@ -138,6 +138,7 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     assert set(result) == {
         *("frames", "audio_s", "ttfa_s", "wall_s", "rtf", "ms_per_frame", "peak_rss_mb"),
         *("cost_per_frame", "read_gb_s", "floor_ms_per_frame", "floor_rtf", "x_floor"),
+        "decoder_products_in_order_ms",
     }
     stages = {"talker", "code_predictor", "decoder"}
     for key in ("ms_per_frame", "floor_ms_per_frame", "cost_per_frame"):
@@ -147,6 +148,7 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     assert result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"], rel=0.01)
     assert all(c["bytes"] > 0 and c["macs"] > 0 for c in result["cost_per_frame"].values())
     assert set(result["read_gb_s"]) == {"1", str(available_cores())} and min(result["read_gb_s"].values()) > 0
+    assert result["decoder_products_in_order_ms"] > 0
     x = result["x_floor"]
     assert set(x) == {*stages, "rtf"} and min(x.values()) > 0
     assert x["rtf"] == pytest.approx(result["rtf"] / result["floor_rtf"], rel=0.02)
