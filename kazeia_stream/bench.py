@@ -116,7 +116,9 @@ def pipeline_floor_ms(
 
 
 def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
-    """What this machine allows, measured now, beside the figures `measured` (`_figures`):
+    """What this machine allows, measured now, beside the figures `measured` (`_figures`) of
+    the run just made: on a shared machine the floor moves with the neighbours' load, so each
+    run is compared with its own, and `median` takes the runs' ratios.
     the talker and the code predictor read their weights at the memory bandwidth of their
     threads, the decoder's matrix products run alone on its kernels and shapes (one frame per
     push, as measured); the pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure
@@ -163,7 +165,8 @@ def _digits(value: float) -> float:
 
 
 def median(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each figure's median over repeated runs (peak memory: the largest); shared machines
+    """Each figure's median over repeated runs (peak memory: the largest), the ratios to the
+    floors included (the median of the runs' ratios, not a ratio of medians); shared machines
     move single runs by tens of percent."""
 
     def combine(key: str, values: list[Any]) -> Any:
@@ -178,7 +181,8 @@ async def run_pipeline_bench(
     runtime: Runtime, frames: int, repeat: int = 1, voice: VoiceArg = None, seed: int = 0
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The same figures measured through the actor pipeline (decoder overlapping the
-    generator), for `repeat` utterances in one session, plus each one's per-frame trace.
+    generator), for `repeat` utterances in one session, each with the floors measured right
+    after it (`floors`), plus each one's per-frame trace.
     `voice` defaults to the model's first built-in speaker."""
     results, traces = [], []
     voice = voice or runtime.model.default_voice
@@ -189,18 +193,17 @@ async def run_pipeline_bench(
                 pass
             m = utterance.metrics
             assert m.ttfa_s is not None and m.wall_s is not None
-            results.append(
-                _figures(
-                    m.frames,
-                    m.audio_s,
-                    m.ttfa_s,
-                    m.wall_s,
-                    m.talker_s,
-                    m.talker_steps,
-                    m.code_predictor_s,
-                    m.decoder.busy,
-                )
+            figures = _figures(
+                m.frames,
+                m.audio_s,
+                m.ttfa_s,
+                m.wall_s,
+                m.talker_s,
+                m.talker_steps,
+                m.code_predictor_s,
+                m.decoder.busy,
             )
+            results.append(figures | await trio.to_thread.run_sync(floors, runtime, figures))
             t0 = m.started
             traces.append(
                 {
@@ -214,7 +217,8 @@ async def run_pipeline_bench(
 
 
 def run_bench(runtime: Runtime, frames: int, voice: VoiceArg = None, seed: int = 0) -> dict[str, Any]:
-    """Run one utterance of `frames` frames and return the benchmark's figures."""
+    """Run one utterance of `frames` frames and return the benchmark's figures, with the floors
+    measured right after it (`floors`)."""
     model = runtime.model
     voice = voice or model.default_voice
     runtime.prepare(runtime.probe(voice, "auto", None), voice)  # as a session does
@@ -236,7 +240,7 @@ def run_bench(runtime: Runtime, frames: int, voice: VoiceArg = None, seed: int =
         runtime.frames.finish(state)
     wall = time.perf_counter() - t_start
     t = state.times
-    return _figures(
+    figures = _figures(
         t.frames,
         samples / model.sample_rate,
         ttfa,
@@ -246,6 +250,7 @@ def run_bench(runtime: Runtime, frames: int, voice: VoiceArg = None, seed: int =
         t.code_predictor,
         decoder_s,
     )
+    return figures | floors(runtime, figures)
 
 
 async def _stream(

@@ -333,7 +333,7 @@ def _dump_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import floors, median, run_bench
+    from .bench import median, run_bench
 
     model = _model(args)
     voice = _voice(args, model)["voice"]
@@ -384,7 +384,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"medians of {args.repeat} runs; time to first audio from {ttfa[0]:.3f} to {ttfa[-1]:.3f} s",
             file=sys.stderr,
         )
-    result.update(floors(runtime, result))
     ms, floor, x = result["ms_per_frame"], result["floor_ms_per_frame"], result["x_floor"]
     _report(
         f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
