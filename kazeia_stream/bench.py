@@ -117,14 +117,14 @@ def pipeline_floor_ms(
 
 def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     """What this machine allows, measured now, beside the figures `measured` (`_figures`) of
-    the run just made: on a shared machine the floor moves with the neighbours' load, so each
-    run is compared with its own, and `median` takes the runs' ratios.
-    the talker and the code predictor read their weights at the memory bandwidth of their
-    threads, the decoder's matrix products run alone on its kernels and shapes (one frame per
-    push, as measured); the pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure
-    over its floor. The decoder's floor has each product's weights in the caches; the same
-    products one after the other as a decode runs them (`decoder_products_in_order_ms`) read
-    their weights from memory, as a decode does (a frame's are several times the caches)."""
+    the run just made (the floor moves with the neighbours' load on a shared machine, so each
+    run is compared with its own and `median` takes the runs' ratios): the talker and the code
+    predictor read their weights at the memory bandwidth of their threads, the decoder's matrix
+    products run alone on its kernels and shapes (one frame per push, as measured); the
+    pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure over its floor. The
+    decoder's floor has each product's weights in the caches; the same products one after the
+    other as a decode runs them (`decoder_products_in_order_ms`) read their weights from
+    memory, as a decode does (a frame's are several times the caches)."""
     cost = costs(runtime)
     threads = runtime.threads.talker
     with runtime.cores.lend(runtime.threads.decoder):
