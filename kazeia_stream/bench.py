@@ -11,13 +11,13 @@ import math
 import resource
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
 import trio
 
+from .bandwidth import read_gb_s
 from .channels import UtteranceMetrics
 from .engine.frames import GenerationOptions
 from .model import gguf_layout as L
@@ -60,22 +60,6 @@ def _figures(
         },
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
-
-
-def read_gb_s(threads: int, nbytes: int = 1 << 28, repeat: int = 5) -> float:
-    """Memory read bandwidth on `threads` threads: numpy sums of a buffer of `nbytes` each, in
-    Python threads (a large reduction releases the GIL), best of `repeat`."""
-    buffers = [np.ones(nbytes // 4, np.float32) for _ in range(threads)]
-    best = math.inf
-    for _ in range(repeat):
-        workers = [threading.Thread(target=np.sum, args=(b,)) for b in buffers]
-        start = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = min(best, time.perf_counter() - start)
-    return threads * nbytes / best / 1e9
 
 
 def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
@@ -129,7 +113,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     threads = runtime.threads.talker
     with runtime.cores.lend(runtime.threads.decoder):
         beside = runtime.cores.threads(threads)  # the generator's threads beside the decoder
-    bandwidth = {n: read_gb_s(n) for n in sorted({1, beside, threads})}  # GB/s on n threads
+    bandwidth = read_gb_s({1, beside, threads})  # GB/s on n threads
     floor_ms = {
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
     }

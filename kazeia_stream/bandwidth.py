@@ -1,0 +1,49 @@
+"""Memory read bandwidth, measured in a process of its own: the buffers must be larger than the
+caches, and in the benchmark's process they would count in the peak RSS it reports.
+
+    python -m kazeia_stream.bandwidth THREADS [THREADS ...]   # GB/s for each count, one a line
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+BUFFER_BYTES = 1 << 28  # per thread: more than the last-level caches of the machines measured
+REPEAT = 5
+
+
+def measure(threads: int, nbytes: int = BUFFER_BYTES, repeat: int = REPEAT) -> float:
+    """GB/s read on `threads` threads: numpy sums of a buffer of `nbytes` each, in Python
+    threads (a large reduction releases the GIL), best of `repeat`."""
+    buffers = [np.ones(nbytes // 4, np.float32) for _ in range(threads)]
+    best = math.inf
+    for _ in range(repeat):
+        workers = [threading.Thread(target=np.sum, args=(b,)) for b in buffers]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return threads * nbytes / best / 1e9
+
+
+def read_gb_s(counts: Iterable[int]) -> dict[int, float]:
+    """`measure` for each thread count, in a child process (one for all the counts)."""
+    counts = sorted(set(counts))
+    out = subprocess.run(
+        [sys.executable, "-m", __name__, *map(str, counts)], capture_output=True, text=True, check=True
+    ).stdout
+    return dict(zip(counts, map(float, out.split())))
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:]:
+        print(measure(int(n)), flush=True)
