@@ -243,6 +243,17 @@ def test_the_read_bandwidth_is_measured_for_each_thread_count_asked():
     assert list(gb_s) == [1, 2] and min(gb_s.values()) > 0.1
 
 
+@pytest.mark.subprocess
+def test_the_peak_rss_bench_reports_is_its_own_not_that_of_the_process_that_started_it():
+    """Linux' getrusage carries the starting process's peak across exec (pytest's process holds
+    a gigabyte by the end of the suite)."""
+    parent = np.ones(2 * BUFFER_BYTES // 4, np.float32)  # 512 MiB resident here
+    code = "from kazeia_stream.bench import peak_rss_mb; print(peak_rss_mb())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert 0 < float(r.stdout) < parent.nbytes / 2**20 / 2
+
+
 def test_median_takes_each_figure_s_median_and_the_largest_peak():
     runs = [
         {"ttfa_s": t, "ms_per_frame": {"talker": m}, "peak_rss_mb": p}
