@@ -376,7 +376,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        results = [run_bench(runtime, args.frames, voice) for _ in range(args.repeat)]
+        results = run_bench(runtime, args.frames, args.repeat, voice)
         result = median(results)
     if args.repeat > 1:
         ttfa = sorted(r["ttfa_s"] for r in results)

@@ -211,31 +211,42 @@ def test_pipeline_bench_repeats_and_reports_medians(tiny_gguf, tmp_path):
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_each_bench_run_is_compared_with_a_floor_measured_right_after_it(tiny_runtime, monkeypatch, pipeline):
     """On a shared machine the floor moves with the neighbours' load: each run gets its own,
-    measured after it and before the next run starts, and the median is of the runs' ratios."""
+    measured after it and before the next run starts, and the median is of the runs' ratios.
+    The floor evicts the caches: before the next run, a throw-away utterance reaches its first
+    audio (one frame; through the pipeline, cut off once its audio comes)."""
     import trio
 
     from kazeia_stream import bench
+    from kazeia_stream.session import Session
 
     runtime, events = tiny_runtime("custom_voice"), []
-    started = bench._figures
+    started, speak = bench._figures, Session.speak
 
-    def figures(*args):
-        events.append("run")
-        return started(*args)
+    def figures(frames, *args):
+        events.append(("run", frames))
+        return started(frames, *args)
 
     def floors(_, measured):
         events.append("floor")
         return {"x_floor": {"rtf": 10.0 * len(events)}}
 
+    def speaking(self, *args, **kw):
+        events.append("speak")
+        return speak(self, *args, **kw)
+
     monkeypatch.setattr(bench, "_figures", figures)
     monkeypatch.setattr(bench, "floors", floors)
+    monkeypatch.setattr(Session, "speak", speaking)
     if pipeline:
         results, _ = trio.run(bench.run_pipeline_bench, runtime, 2, 3)
+        run, warm_up = ["speak", ("run", 2)], ["speak"]  # the warm-up's figures are not taken
     else:
-        results = [bench.run_bench(runtime, 2) for _ in range(3)]
-    assert events == ["run", "floor"] * 3
-    assert [r["x_floor"]["rtf"] for r in results] == [20.0, 40.0, 60.0]
-    assert median(results)["x_floor"]["rtf"] == 40.0
+        results = bench.run_bench(runtime, 2, 3)
+        run, warm_up = [("run", 2)], [("run", 1)]
+    assert events == [*run, "floor", *warm_up, *run, "floor", *warm_up, *run, "floor"]
+    floor_at = [i + 1 for i, e in enumerate(events) if e == "floor"]
+    assert [r["x_floor"]["rtf"] for r in results] == [10.0 * n for n in floor_at]
+    assert median(results)["x_floor"]["rtf"] == 10.0 * floor_at[1]
 
 
 def test_the_read_bandwidth_is_measured_for_each_thread_count_asked():
