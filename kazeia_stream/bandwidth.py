@@ -19,12 +19,12 @@ BUFFER_BYTES = 1 << 28  # per thread: more than the last-level caches of the mac
 REPEAT = 5
 
 
-def measure(threads: int, nbytes: int = BUFFER_BYTES, repeat: int = REPEAT) -> float:
-    """GB/s read on `threads` threads: numpy sums of a buffer of `nbytes` each, in Python
-    threads (a large reduction releases the GIL), best of `repeat`."""
-    buffers = [np.ones(nbytes // 4, np.float32) for _ in range(threads)]
+def measure(threads: int) -> float:
+    """GB/s read on `threads` threads: numpy sums of a buffer of `BUFFER_BYTES` each, in Python
+    threads (a large reduction releases the GIL), best of `REPEAT`."""
+    buffers = [np.ones(BUFFER_BYTES // 4, np.float32) for _ in range(threads)]
     best = math.inf
-    for _ in range(repeat):
+    for _ in range(REPEAT):
         workers = [threading.Thread(target=np.sum, args=(b,)) for b in buffers]
         start = time.perf_counter()
         for w in workers:
@@ -32,7 +32,7 @@ def measure(threads: int, nbytes: int = BUFFER_BYTES, repeat: int = REPEAT) -> f
         for w in workers:
             w.join()
         best = min(best, time.perf_counter() - start)
-    return threads * nbytes / best / 1e9
+    return threads * BUFFER_BYTES / best / 1e9
 
 
 def read_gb_s(counts: Iterable[int]) -> dict[int, float]:

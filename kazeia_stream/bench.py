@@ -126,7 +126,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     threads = runtime.threads.talker
     with runtime.cores.lend(runtime.threads.decoder):
         beside = runtime.cores.threads(threads)  # the generator's threads beside the decoder
-    bandwidth = read_gb_s({1, beside, threads})  # GB/s on n threads
+    bandwidth = read_gb_s({1, beside, threads})  # GB/s by thread count
     floor_ms = {
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
     }
