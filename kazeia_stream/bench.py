@@ -343,10 +343,20 @@ async def run_streams_bench(
     """`streams` utterances of `frames` frames started together, `repeat` times (medians),
     after a warm-up round that leaves every talker slot holding the session's fixed rows; then
     the time to first audio of a stream alone and of streams that join `streams - 1` running
-    ones (median and 95th percentile of all the joins of `repeat` rounds)."""
+    ones (median and 95th percentile of all the joins of `repeat` rounds).
+    With several streams, each round is followed by one stream alone on the same runtime, and
+    `aggregate_x_solo` is the median of the rounds' own ratios (the machine's speed moves
+    between two commands run minutes apart, as the floors' does: see `floors`)."""
     voice = voice or runtime.model.default_voice
     await _together(runtime, 2, streams, voice, seed)
-    results = [await _together(runtime, frames, streams, voice, seed) for _ in range(repeat)]
+    results = []
+    for _ in range(repeat):
+        figures = await _together(runtime, frames, streams, voice, seed)
+        if streams > 1:
+            solo = (await _together(runtime, frames, 1, voice, seed))["aggregate_audio_s_per_s"]
+            figures["solo_audio_s_per_s"] = solo
+            figures["aggregate_x_solo"] = _digits(figures["aggregate_audio_s_per_s"] / solo)
+        results.append(figures)
     result = {**median(results), "streams": streams, "frames": frames}
     result["solo_ttfa_s"] = _percentile_s(
         [(await _stream(runtime, 2, voice, seed)).ttfa_s or 0.0 for _ in range(repeat)], 50

@@ -349,11 +349,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if "join_ttfa_s" in figures
             else ""
         )
+        against_solo = (
+            f" ({figures['aggregate_x_solo']:.2f}x one stream's"
+            f" {figures['solo_audio_s_per_s']:.3f} in the same rounds)"
+            if "aggregate_x_solo" in figures
+            else ""
+        )
         _report(
             f"{figures['streams']} streams of {figures['frames']} frames: "
-            f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all, RTF per stream "
-            f"{figures['rtf_per_stream']:.2f}; first audio p50 {figures['ttfa_s_p50']:.3f} s, p95 "
-            f"{figures['ttfa_s_p95']:.3f} s (alone {figures['solo_ttfa_s']:.3f} s{joined}); "
+            f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all{against_solo}, "
+            f"RTF per stream {figures['rtf_per_stream']:.2f}; first audio p50 {figures['ttfa_s_p50']:.3f} s, "
+            f"p95 {figures['ttfa_s_p95']:.3f} s (alone {figures['solo_ttfa_s']:.3f} s{joined}); "
             f"peak RSS {figures['peak_rss_mb']:.0f} MB",
             figures,
             args.json,
@@ -437,7 +443,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--streams",
         type=_positive,
         help="run N utterances at once on one runtime (each exactly --frames frames) and report "
-        "their time to first audio, RTF and aggregate throughput",
+        "their time to first audio, RTF and aggregate throughput (with N > 1, against one stream "
+        "alone after each round)",
     )
     p.set_defaults(func=cmd_bench)
     return p

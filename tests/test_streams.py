@@ -318,6 +318,7 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     assert 0 < figures["ttfa_s_p50"] <= figures["ttfa_s_p95"]
     assert figures["rtf_per_stream"] > 0 and figures["aggregate_audio_s_per_s"] > 0
     assert figures["solo_ttfa_s"] > 0
+    assert figures["solo_audio_s_per_s"] > 0 and figures["aggregate_x_solo"] > 0
     # joins at spread moments while the others ran, at least one per round
     assert figures["joins"] >= 2 and 0 < figures["join_ttfa_s"] <= figures["join_ttfa_s_p95"]
     # all three streams' audio (6 frames of 80 ms each) over the wall time; both are medians of
@@ -325,6 +326,32 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     # within 2x unless one round took 5.8x the other's time)
     rate = 3 * 6 * 0.08 / figures["wall_s"]
     assert 0.99 * rate <= figures["aggregate_audio_s_per_s"] <= 2 * rate
+
+
+def test_the_streams_bench_compares_each_round_with_one_stream_right_after_it(tiny_runtime, monkeypatch):
+    """The machine's speed moves between two commands minutes apart: each round of N streams
+    is followed by one stream alone on the same runtime, and the ratio reported is the median
+    of the rounds' own ratios. One stream gets no such comparison."""
+    from kazeia_stream import bench
+
+    runtime, rounds = tiny_runtime("custom_voice"), []
+    together, three = bench._together, iter([1.0, 5.0, 9.0, 6.0])  # the warm-up's, then the rounds'
+
+    async def timed(rt, frames, streams, voice, seed):
+        rounds.append((frames, streams))
+        rate = next(three) if streams == 3 else 2.0
+        return await together(rt, frames, streams, voice, seed) | {"aggregate_audio_s_per_s": rate}
+
+    monkeypatch.setattr(bench, "_together", timed)
+    figures = trio.run(bench.run_streams_bench, runtime, 2, 3, 3)
+    # the warm-up (2 frames), then each round of 3 streams and one stream after it
+    assert rounds == [(2, 3), (2, 3), (2, 1), (2, 3), (2, 1), (2, 3), (2, 1)]
+    assert figures["solo_audio_s_per_s"] == 2.0
+    assert figures["aggregate_x_solo"] == 3.0  # the median of 2.5, 4.5 and 3.0
+
+    rounds.clear()
+    alone = trio.run(bench.run_streams_bench, runtime, 2, 1, 2)
+    assert rounds == [(2, 1)] * 3 and "aggregate_x_solo" not in alone
 
 
 @pytest.mark.parametrize("together", [False, True])
