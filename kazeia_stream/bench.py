@@ -346,7 +346,7 @@ async def run_streams_bench(
     ones (median and 95th percentile of all the joins of `repeat` rounds).
     With several streams, each round is followed by one stream alone on the same runtime, and
     `aggregate_x_solo` is the median of the rounds' own ratios (the machine's speed moves
-    between two commands run minutes apart, as the floors' does: see `floors`)."""
+    between two commands run minutes apart, as the floor does: see `floors`)."""
     voice = voice or runtime.model.default_voice
     await _together(runtime, 2, streams, voice, seed)
     results = []
