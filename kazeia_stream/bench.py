@@ -4,8 +4,10 @@ Generates exactly N frames (EOS ignored) for a fixed sentence, pushing the decod
 a time as a live stream would, and reports figures a user can compare across machines and types.
 `--streams N` runs N such utterances at once on one runtime (`run_streams_bench`).
 
-Repeats are compared each with the floor measured right after it (`floors`). That measurement
-evicts the caches (its bandwidth probe reads 256 MB a thread), so a throw-away utterance then
+Each measured run is compared with a reference measured right after it, as a shared machine's
+speed moves by tens of percent between two commands minutes apart: the floor (`floors`), and
+with several streams one stream alone (`run_streams_bench`). The floor's measurement evicts
+the caches (its bandwidth probe reads 256 MB a thread), so a throw-away utterance then
 runs to its first audio, and the next measured one finds them as an utterance spoken right after
 another does (without it, first audio took 0.39-0.43 s instead of 0.25-0.32 on a host with
 260 MB of last-level cache).
@@ -114,8 +116,8 @@ def pipeline_floor_ms(
 
 def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     """What this machine allows, measured now, beside the figures `measured` (`_figures`) of
-    the run just made (the floor moves with the neighbours' load on a shared machine, so each
-    run is compared with its own and `median` takes the runs' ratios): the talker and the code
+    the run just made (each run is compared with its own, see the module's docstring, and
+    `median` takes the runs' ratios): the talker and the code
     predictor read their weights at the memory bandwidth of their threads, the decoder's matrix
     products run alone on its kernels and shapes (one frame per push, as measured); the
     pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure over its floor. The
@@ -345,8 +347,7 @@ async def run_streams_bench(
     the time to first audio of a stream alone and of streams that join `streams - 1` running
     ones (median and 95th percentile of all the joins of `repeat` rounds).
     With several streams, each round is followed by one stream alone on the same runtime, and
-    `aggregate_x_solo` is the median of the rounds' own ratios (the machine's speed moves
-    between two commands run minutes apart, as the floor does: see `floors`)."""
+    `aggregate_x_solo` is the median of the rounds' own ratios (see the module's docstring)."""
     voice = voice or runtime.model.default_voice
     await _together(runtime, 2, streams, voice, seed)
     results = []
