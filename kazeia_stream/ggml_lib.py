@@ -117,6 +117,11 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "ggml_reshape_3d": ([_ctx, _t, _i64, _i64, _i64], _t),
     "ggml_mul_mat": ([_ctx, _t, _t], _t),
     "ggml_mul_mat_id": ([_ctx, _t, _t, _t], _t),
+    # type, ne0..ne3, args, n_args, fun (ggml_custom_op_t), n_tasks, userdata
+    "ggml_custom_4d": (
+        [_ctx, _c.c_int, *[_i64] * 4, _c.POINTER(_t), _c.c_int, _c.c_void_p, _c.c_int, _c.c_void_p],
+        _t,
+    ),
     "ggml_mul": ([_ctx, _t, _t], _t),
     "ggml_add": ([_ctx, _t, _t], _t),
     "ggml_scale": ([_ctx, _t, _f], _t),

@@ -104,15 +104,19 @@ class _Tensors:
 
 
 class ArrayTensor(_Tensors):
-    """A ggml tensor over a float32 numpy array (C order) in place, which the caller keeps."""
+    """A ggml tensor over a numpy array in C order, in place, which the caller keeps: a float32
+    array, or the bytes of a tensor of type `qtype` and numpy `shape`."""
 
-    def __init__(self, array: np.ndarray) -> None:
-        if array.dtype != np.float32 or not array.flags.c_contiguous:
-            raise ValueError("a float32 array in C order is needed")
+    def __init__(self, array: np.ndarray, qtype: QType = QType.F32, shape: Sequence[int] = ()) -> None:
+        shape = shape or array.shape
+        if not array.flags.c_contiguous or array.nbytes != nbytes(qtype, shape):
+            raise ValueError(f"an array in C order holding {qtype.name} {tuple(shape)} is needed")
+        if qtype == QType.F32 and array.dtype != np.float32:
+            raise ValueError("a float32 array is needed")
         start = array.ctypes.data
         base = start - start % _ALIGN  # a buffer must start aligned; the tensor need not
         super().__init__(1, base, start - base + array.nbytes)
-        self.tensor = self.place("array", QType.F32, array.shape, start)
+        self.tensor = self.place("array", qtype, shape, start)
 
 
 def _zeroed(size: int) -> np.ndarray:
@@ -287,6 +291,13 @@ class Graph:
         """Each column of x [K, 1, n] by the matrix of the 3-D `stacked` that `ids` (I32 [1, n])
         names: [M, 1, n]."""
         return self._op(ggml.ggml_mul_mat_id(self._ctx, stacked, x, ids))
+
+    def custom(self, fn: int, ne: Sequence[int], args: Sequence[Tensor]) -> Tensor:
+        """A float32 tensor of sizes `ne` that the C function at `fn` (a ggml_custom_op_t)
+        computes from `args` (its src), on every thread of the call."""
+        sizes = (*ne, 1, 1, 1)[:4]
+        srcs = (ctypes.c_void_p * len(args))(*args)
+        return self._op(ggml.ggml_custom_4d(self._ctx, QType.F32, *sizes, srcs, len(args), fn, -1, None))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))

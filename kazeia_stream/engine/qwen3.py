@@ -35,6 +35,7 @@ from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
+from . import q8_product
 from .faster import Faster
 from .ggml_graph import (
     Allocator,
@@ -255,9 +256,14 @@ class Qwen3LM:
 
     @cached_property
     def _shares_columns(self) -> bool:
-        """Whether some product can give several rows one kernel call (`columns_agree`): only
-        then do the two ways that `_together` times differ."""
-        return any(columns_agree(w) for w in self.weights.tensors.values() if dims(w)[1] > 1)
+        """Whether some product can give several rows one kernel call (`columns_agree`) or
+        not: only then do the two ways that `_together` times differ (our Q8_0 kernel takes
+        every row at once, `q8_product`)."""
+        return any(
+            columns_agree(w) and not q8_product.takes(w)
+            for w in self.weights.tensors.values()
+            if dims(w)[1] > 1
+        )
 
     def _call(self, shape: _Shape) -> _Call:
         """The graph of a shape: built at its first use, then replayed (the `max_graphs` last
@@ -325,7 +331,8 @@ class Qwen3LM:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
-        Where ggml's several-column kernel gives each column its one-column numbers
+        A Q8_0 matrix multiplies every column at once on our kernel, where it runs
+        (`q8_product`). Else, where ggml's several-column kernel gives each column its one-column numbers
         (`columns_agree`: Q8_0 here), the columns are multiplied `together` by it, or the first
         alone and the others together, whichever runs faster on this CPU (`Faster`): on a Zen 5
         the several-column kernel read a weight from memory several times slower than the
@@ -334,6 +341,8 @@ class Qwen3LM:
         family 6 model 207 all together was faster (130-143 against 178-182 ms). Else each part is
         multiplied alone, as it would be without the others."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
+        if index is None and q8_product.takes(w):
+            return q8_product.product(g, w, x)  # all rows at once: each row's numbers its own
         if index is not None:
             x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
         if rows > 1 and columns_agree(w):

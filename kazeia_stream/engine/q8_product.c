@@ -1,0 +1,126 @@
+/* Q8_0 weights times float32 rows, as a ggml custom operation (see q8_product.py for why).
+
+   dst [m, n] = w [m, k] (Q8_0: blocks of an fp16 scale and 32 int8) @ x [k, n] (float32 rows),
+   the rows of x quantized to Q8_0 as ggml does, int8 products on AVX512-VNNI, two blocks per
+   512-bit register. A row of dst is summed in one order whatever n is, so a sequence's numbers
+   do not depend on the rows computed beside it. Each of ggml's threads takes a share of the
+   weight rows; the weights are read once per 16 of x's rows. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* The leading fields of struct ggml_tensor (ggml.h of llama-cpp-python 0.3.36). */
+struct tensor {
+    int type;
+    void *buffer;
+    int64_t ne[4];
+    size_t nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct tensor *src[10];
+    struct tensor *view_src;
+    size_t view_offs;
+    void *data;
+};
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[32];
+} __attribute__((packed)) block_q8_0;
+
+#define ROWS 4         /* rows of x per pass over a weight row (registers) */
+#define TILE_ROWS 16   /* weight rows per tile: they stay in L1 while every row of x passes */
+#define PREFETCH 8192  /* bytes ahead in the weights: one core reads at memory speed */
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+
+int kz_q8_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("f16c");
+}
+
+/* One row of x as ggml's quantize_row_q8_0: per block d = max|x| / 127 (stored as fp16), q =
+   round(x / d). The scale is kept eight times over, the width of a block's lanes. */
+TARGET static void quantize(const float *x, int64_t k, int8_t *q, float *d8) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        float dh = _cvtsh_ss(_cvtss_sh(d, 0));
+        for (int j = 0; j < 8; j++) d8[b * 8 + j] = dh;
+        for (int i = 0; i < 32; i++) q[b * 32 + i] = (int8_t)roundf(x[b * 32 + i] * id);
+    }
+}
+
+/* dst[r][row] for weight rows [r0, r1) and rows r of x in [0, n), n <= ROWS. */
+TARGET static void tile(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
+                        const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; row++) {
+        const block_q8_0 *wr = w + row * nb;
+        __m512 acc[ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            _mm_prefetch((const char *)(wr + b) + PREFETCH, _MM_HINT_T0);
+            __m512i wq = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wr[b].qs)),
+                _mm256_loadu_si256((const __m256i *)wr[b + 1].qs), 1);
+            __mmask64 negative = _mm512_movepi8_mask(wq);
+            __m512i magnitude = _mm512_abs_epi8(wq);  /* u8 x s8: the sign goes onto x */
+            __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(wr[b].d)),
+                                           _mm256_set1_ps(_cvtsh_ss(wr[b + 1].d)), 1);
+            for (int r = 0; r < n; r++) {
+                __m512i xq = _mm512_loadu_si512((const void *)(q + r * k + b * 32));
+                __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+                __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d8 + (r * nb + b) * 8));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            }
+        }
+        if (b < nb) { /* an odd last block */
+            __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
+            __mmask32 negative = _mm256_movepi8_mask(wq);
+            __m256i magnitude = _mm256_abs_epi8(wq);
+            float dw = _cvtsh_ss(wr[b].d);
+            for (int r = 0; r < n; r++) {
+                __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * k + b * 32));
+                __m256i signed_x = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
+                __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+                __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * d8[(r * nb + b) * 8]));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(part));
+            }
+        }
+        for (int r = 0; r < n; r++) dst[r * dst_row + row] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+/* The custom operation (ggml_custom_op_t): src[0] the weights, src[1] x, thread ith of nth. */
+TARGET void kz_q8_product(struct tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct tensor *w = dst->src[0], *x = dst->src[1];
+    const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
+    const int64_t share = ((m + nth - 1) / nth + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    const int64_t first = ith * share, last = first + share < m ? first + share : m;
+    if (first >= last) return;
+    int8_t *q = aligned_alloc(64, (size_t)((n * k + 63) / 64 * 64));
+    float *d8 = aligned_alloc(64, (size_t)((n * nb * 8 * 4 + 63) / 64 * 64));
+    for (int64_t r = 0; r < n; r++)
+        quantize((const float *)((const char *)x->data + r * x->nb[1]), k, q + r * k, d8 + r * nb * 8);
+    const size_t dst_row = dst->nb[1] / sizeof(float);
+    const block_q8_0 *weights = w->data;
+    for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
+        int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
+        for (int64_t r = 0; r < n; r += ROWS) {
+            int count = n - r < ROWS ? (int)(n - r) : ROWS;
+            tile(weights, nb, k, count, q + r * k, d8 + r * nb * 8, (float *)dst->data + r * dst_row,
+                 dst_row, r0, r1);
+        }
+    }
+    free(q);
+    free(d8);
+}

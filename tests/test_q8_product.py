@@ -1,0 +1,76 @@
+"""Our Q8_0 product kernel against ggml's, and what the engines need of it: a row's numbers
+whatever rows come with it, on any thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import quantize
+
+from kazeia_stream.engine import q8_product
+from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Graph, view_of
+
+pytestmark = pytest.mark.skipif(
+    not q8_product.available(), reason="the kernel is not built, or this CPU lacks AVX512-VNNI"
+)
+
+
+@pytest.fixture(scope="module", params=[(200, 96), (64, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def weight(request):
+    """A Q8_0 weight [m, k] as a ggml tensor over its bytes: 200 x 96 has rows that fill no
+    tile of 16 and an odd block count per row (3); 64 x 1024 an even one (32)."""
+    m, k = request.param
+    rng = np.random.default_rng(m)
+    data = quantize(rng.standard_normal((m, k), dtype=np.float32), QType.Q8_0)
+    tensor = ArrayTensor(data, QType.Q8_0, (m, k))
+    yield tensor.tensor, (m, k)
+    tensor.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_gives_ggml_s_products_to_float_rounding(weight, threads):
+    w, shape = weight
+    x = np.random.default_rng(1).standard_normal((9, shape[1]), dtype=np.float32)
+    ours, ggml = (q8_product.multiply(w, x, threads, flag) for flag in (True, False))
+    assert ours.shape == ggml.shape == (9, shape[0])
+    assert np.abs(ours - ggml).max() <= 1e-6 * np.abs(ggml).max()
+    assert not np.array_equal(ours, np.zeros_like(ours))
+
+
+def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weight):
+    w, shape = weight
+    x = np.random.default_rng(2).standard_normal((9, shape[1]), dtype=np.float32)
+    alone = np.concatenate([q8_product.multiply(w, x[i : i + 1], 1) for i in range(len(x))])
+    for count in (2, 4, 5, 9):
+        for threads in (1, 2):
+            assert np.array_equal(q8_product.multiply(w, x[:count], threads), alone[:count])
+
+
+def test_columns_of_strided_elements_are_made_contiguous_first(weight):
+    """A transposed input (each column's numbers 16 bytes apart), as a graph may hand it."""
+    w, (m, k) = weight
+    x = np.random.default_rng(3).standard_normal((4, k), dtype=np.float32)
+    allocator, g = Allocator(), Graph(8)
+    try:
+        transposed = g.input(QType.F32, (k, 4))  # ggml [4, k]: the columns' numbers interleaved
+        y = g.output(q8_product.product(g, w, g.permute(transposed, 1, 0, 2, 3)))
+        g.allocate(allocator)
+        view_of(transposed, QType.F32, (k, 4))[...] = x.T
+        g.compute(1)
+        got = view_of(y, QType.F32, (4, m)).copy()
+    finally:
+        g.close()
+        allocator.close()
+    assert np.array_equal(got, q8_product.multiply(w, x, 1))
+
+
+def test_it_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(q8_product.ENV, "0")
+    q8_product._kernel.cache_clear()
+    try:
+        assert not q8_product.available()
+    finally:
+        monkeypatch.delenv(q8_product.ENV)
+        q8_product._kernel.cache_clear()
+    assert q8_product.available()
