@@ -7,7 +7,6 @@
    weight rows; the weights are read once per 16 of x's rows. */
 
 #include <immintrin.h>
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,16 +43,19 @@ int kz_q8_supported(void) {
            __builtin_cpu_supports("f16c");
 }
 
-/* One row of x as ggml's quantize_row_q8_0: per block d = max|x| / 127 (stored as fp16), q =
-   round(x / d). The scale is kept eight times over, the width of a block's lanes. */
+/* One row of x as ggml's quantize_row_q8_0 on AVX-512: per block d = max|x| / 127 (stored as
+   fp16), q = x / d rounded to the nearest (even on ties, as ggml's vector code). The scale is
+   kept eight times over, the width of a block's lanes. */
 TARGET static void quantize(const float *x, int64_t k, int8_t *q, float *d8) {
     for (int64_t b = 0; b < k / 32; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+        __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        float dh = _cvtsh_ss(_cvtss_sh(d, 0));
-        for (int j = 0; j < 8; j++) d8[b * 8 + j] = dh;
-        for (int i = 0; i < 32; i++) q[b * 32 + i] = (int8_t)roundf(x[b * 32 + i] * id);
+        _mm256_storeu_ps(d8 + b * 8, _mm256_set1_ps(_cvtsh_ss(_cvtss_sh(d, 0))));
+        __m512 scale = _mm512_set1_ps(id);
+        _mm_storeu_si128((__m128i *)(q + b * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+        _mm_storeu_si128((__m128i *)(q + b * 32 + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
     }
 }
 
@@ -113,6 +115,8 @@ TARGET void kz_q8_product(struct tensor *dst, int ith, int nth, void *userdata) 
         quantize((const float *)((const char *)x->data + r * x->nb[1]), k, q + r * k, d8 + r * nb * 8);
     const size_t dst_row = dst->nb[1] / sizeof(float);
     const block_q8_0 *weights = w->data;
+    for (int64_t at = 0; at < PREFETCH; at += 64)  /* the share's start: `tile` prefetches ahead */
+        _mm_prefetch((const char *)(weights + first * nb) + at, _MM_HINT_T0);
     for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
         int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
         for (int64_t r = 0; r < n; r += ROWS) {
