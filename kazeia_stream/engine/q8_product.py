@@ -4,13 +4,13 @@ AVX512-VNNI.
 
 Generating a frame is reading the weights, and ggml's Q8_0 kernels do not read them at the
 memory's speed: its arithmetic is the limit. On a Xeon (family 6 model 207), 160 MB of random
-Q8_0 weights, one thread: ggml's one-row product 25.0 ms (6.4 GB/s), four rows 41.6 ms; this
-kernel (int8 products two blocks a register, the weights prefetched far ahead) 15.2 and 18.6
-ms; 535 MB on two threads: 37.5 against 22.4 ms (24 GB/s; numpy's max reads 25-29 GB/s).
-`python -m kazeia_stream.engine.q8_product` measures it. A row's numbers do not depend on the
-rows beside it (the engines' batched streams rely on it), and they are within float rounding
-of ggml's (1.5e-7 of the largest output: the rows are quantized as ggml does, per block of 32
-to int8).
+Q8_0 weights (`python -m kazeia_stream.engine.q8_product --mb 160`): one thread, one row, ggml
+19.7 ms (8.1 GB/s) against 13.0 ms (12.2 GB/s) here, four rows 35.1 against 16.9 ms; two
+threads, one row, 10.1 against 7.2 ms (22 GB/s; numpy's max reads 15 and 26 GB/s on one and
+two threads). This kernel: int8 products two blocks a register, the weights prefetched far
+ahead. A row's numbers do not depend on the rows beside it (the engines' batched streams rely
+on it), and they are within float rounding of ggml's (1.5e-7 of the largest output: the rows
+are quantized as ggml does, per block of 32 to int8).
 
 A plain shared library that setuptools builds at install with the package (optional: without
 a C compiler the products stay on ggml's kernels, as on a CPU without AVX512-VNNI, or with
