@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
 
 from kazeia_stream.engine import q8_product
-from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Graph, view_of
+from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Graph, dims, type_of, view_of
 
 pytestmark = pytest.mark.skipif(
     not q8_product.available(), reason="the kernel is not built, or this CPU lacks AVX512-VNNI"
@@ -74,3 +74,14 @@ def test_it_can_be_turned_off(monkeypatch):
         monkeypatch.delenv(q8_product.ENV)
         q8_product._kernel.cache_clear()
     assert q8_product.available()
+
+
+def test_a_q8_0_file_s_matrices_go_to_the_kernel(tiny_runtime):
+    """Every Q8_0 matrix of the talker and the code predictor (all but the code predictor's
+    stacked heads, which ggml's mul_mat_id applies by index)."""
+    runtime = tiny_runtime("custom_voice", "q8_0")
+    for lm in (runtime.talker.lm, runtime.code_predictor.lm):
+        q8 = {n: w for n, w in lm.weights.tensors.items() if type_of(w) == QType.Q8_0}
+        matrices = [n for n, w in q8.items() if dims(w)[2] == 1]
+        assert matrices and all(q8_product.takes(q8[n]) for n in matrices)
+        assert not any(q8_product.takes(w) for n, w in q8.items() if n not in matrices)
