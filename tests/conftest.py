@@ -142,6 +142,19 @@ def capped_model(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Call
     return convert(ckpt, tmp_path_factory.mktemp("gguf"), "f32")[0]
 
 
+@pytest.fixture
+def ggml_q8_0(monkeypatch: pytest.MonkeyPatch):
+    """Q8_0 products on ggml's kernels (as on a CPU without AVX512-VNNI) for the engines made
+    during the test, `KAZEIA_Q8_KERNEL=0`; our kernel again after it."""
+    from kazeia_stream.engine import q8_product
+
+    monkeypatch.setenv(q8_product.ENV, "0")
+    q8_product._kernel.cache_clear()
+    yield
+    monkeypatch.delenv(q8_product.ENV)
+    q8_product._kernel.cache_clear()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests on the real-time sound device are marked `realtime` (deselect with -m)."""
     for item in items:

@@ -65,15 +65,8 @@ def test_columns_of_strided_elements_are_made_contiguous_first(weight):
     assert np.array_equal(got, q8_product.multiply(w, x, 1))
 
 
-def test_it_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv(q8_product.ENV, "0")
-    q8_product._kernel.cache_clear()
-    try:
-        assert not q8_product.available()
-    finally:
-        monkeypatch.delenv(q8_product.ENV)
-        q8_product._kernel.cache_clear()
-    assert q8_product.available()
+def test_it_can_be_turned_off(ggml_q8_0):
+    assert not q8_product.available()
 
 
 def test_a_q8_0_file_s_matrices_go_to_the_kernel(tiny_runtime):

@@ -22,6 +22,7 @@ import trio
 from test_synthesis import run_cli
 
 import kazeia_stream
+from kazeia_stream.engine import q8_product
 from kazeia_stream.engine.frames import GenerationOptions
 from kazeia_stream.scheduler import Generator, _Result
 from kazeia_stream.session import Utterance
@@ -355,12 +356,17 @@ def test_the_streams_bench_compares_each_round_with_one_stream_right_after_it(ti
 
 
 @pytest.mark.parametrize("together", [False, True])
-@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
-def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_type, together):
-    """A stream's rows share products with other streams' only where ggml's kernel gives each
-    column its one-column numbers (Q8_0), else they are products of their own, so its hidden
-    state and logits do not depend on the streams beside it, at every weight type, whichever
-    way the shared products run (all columns together, or the first alone)."""
+@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0", "q8_0 on ggml"])
+def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_type, together, request):
+    """A stream's rows share products with other streams' only where the kernel gives each
+    column its one-column numbers (our Q8_0 kernel; ggml's at Q8_0), else they are products of
+    their own, so its hidden state and logits do not depend on the streams beside it, at every
+    weight type, whichever way ggml's shared products run (all columns together, or the first
+    alone)."""
+    if out_type == "q8_0 on ggml":
+        request.getfixturevalue("ggml_q8_0")
+        assert not q8_product.available()
+        out_type = "q8_0"
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
     runtime = kazeia_stream.Runtime(model, max_streams=4)
     lm = runtime.talker.lm
