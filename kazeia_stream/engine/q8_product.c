@@ -111,6 +111,7 @@ TARGET void kz_q8_product(struct tensor *dst, int ith, int nth, void *userdata) 
     if (first >= last) return;
     int8_t *q = aligned_alloc(64, (size_t)((n * k + 63) / 64 * 64));
     float *d8 = aligned_alloc(64, (size_t)((n * nb * 8 * 4 + 63) / 64 * 64));
+    if (q == NULL || d8 == NULL) abort(); /* as ggml does when memory runs out */
     for (int64_t r = 0; r < n; r++)
         quantize((const float *)((const char *)x->data + r * x->nb[1]), k, q + r * k, d8 + r * nb * 8);
     const size_t dst_row = dst->nb[1] / sizeof(float);
