@@ -4,7 +4,8 @@
    the rows of x quantized to Q8_0 as ggml does, int8 products on AVX512-VNNI, two blocks per
    512-bit register. A row of dst is summed in one order whatever n is, so a sequence's numbers
    do not depend on the rows computed beside it. Each of ggml's threads takes a share of the
-   weight rows; the weights are read once per 16 of x's rows. */
+   weight rows and reads them from memory once, in tiles of 16 rows that stay in the cache while
+   every row of x passes (four at a time). */
 
 #include <immintrin.h>
 #include <stddef.h>
