@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 
 import numpy as np
@@ -413,17 +413,24 @@ def columns_agree(w: Tensor) -> bool:
         x = np.random.default_rng(0).standard_normal((n, dims(w)[0]), dtype=np.float32)
         allocator = Allocator()
         try:
-            alone = np.concatenate([_products(w, x[i : i + 1], allocator) for i in range(n)])
+            alone = np.concatenate([products(w, x[i : i + 1], allocator) for i in range(n)])
             _agree[key] = all(
-                np.array_equal(_products(w, x[:count], allocator), alone[:count]) for count in _PROBE_COLUMNS
+                np.array_equal(products(w, x[:count], allocator), alone[:count]) for count in _PROBE_COLUMNS
             )
         finally:
             allocator.close()
     return _agree[key]
 
 
-def _products(w: Tensor, x: np.ndarray, allocator: Allocator) -> np.ndarray:
-    """w (a stack's first matrix) times the rows of x [n, in], on one thread: [n, out]."""
+def products(
+    w: Tensor,
+    x: np.ndarray,
+    allocator: Allocator,
+    threads: int = 1,
+    op: Callable[[Graph, Tensor, Tensor], Tensor] | None = None,
+) -> np.ndarray:
+    """w (a stack's first matrix) times the rows of x [n, in], on `threads` threads, by ggml's
+    product or `op(graph, w, columns)` (a kernel of our own): [n, out]."""
     n, k = x.shape
     g = Graph(8)
     try:
@@ -432,12 +439,12 @@ def _products(w: Tensor, x: np.ndarray, allocator: Allocator) -> np.ndarray:
             index = g.input(QType.I32, (n, 1))
             y = g.output(g.mul_mat_id(w, g.reshape(columns, k, 1, n), index))
         else:
-            index, y = None, g.output(g.mul_mat(w, columns))
+            index, y = None, g.output((op or Graph.mul_mat)(g, w, columns))
         g.allocate(allocator)
         view_of(columns, QType.F32, (n, k))[...] = x
         if index is not None:
             view_of(index, QType.I32, (n,))[...] = 0
-        g.compute(1)
+        g.compute(threads)
         return view_of(y, QType.F32, (n, dims(w)[1])).copy()
     finally:
         g.close()

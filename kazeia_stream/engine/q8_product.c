@@ -39,9 +39,9 @@ typedef struct {
 
 int kz_q8_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
 }
 
 /* One row of x as ggml's quantize_row_q8_0 on AVX-512: per block d = max|x| / 127 (stored as
@@ -54,7 +54,8 @@ TARGET static void quantize(const float *x, int64_t k, int8_t *q, float *d8) {
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         _mm256_storeu_ps(d8 + b * 8, _mm256_set1_ps(_cvtsh_ss(_cvtss_sh(d, 0))));
         __m512 scale = _mm512_set1_ps(id);
-        _mm_storeu_si128((__m128i *)(q + b * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+        _mm_storeu_si128((__m128i *)(q + b * 32),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
         _mm_storeu_si128((__m128i *)(q + b * 32 + 16),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
     }
@@ -94,7 +95,8 @@ TARGET static void tile(const block_q8_0 *w, int64_t nb, int64_t k, int n, const
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * k + b * 32));
                 __m256i signed_x = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
                 __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
-                __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * d8[(r * nb + b) * 8]));
+                __m256 scale = _mm256_set1_ps(dw * d8[(r * nb + b) * 8]);
+                __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(part));
             }
         }

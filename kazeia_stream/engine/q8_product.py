@@ -25,10 +25,9 @@ from functools import cache
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from .ggml_graph import Allocator, Graph, Tensor, dims, strides, type_of, view_of
+from .ggml_graph import Graph, Tensor, dims, strides, type_of
 
 ENV = "KAZEIA_Q8_KERNEL"  # "0": ggml's kernels for every product
 
@@ -72,22 +71,6 @@ def product(g: Graph, w: Tensor, x: Tensor) -> Tensor:
     return g.custom(kernel[1], (dims(w)[1], dims(x)[1]), [w, x])
 
 
-def multiply(w: Tensor, x: np.ndarray, threads: int, ours: bool = True) -> np.ndarray:
-    """w @ x.T for a Q8_0 matrix w and rows x [n, in], on this kernel or ggml's: [n, out]."""
-    (k, m), n = dims(w)[:2], len(x)
-    allocator, g = Allocator(), Graph(4)
-    try:
-        rows = g.input(QType.F32, (n, k))
-        y = g.output(product(g, w, rows) if ours else g.mul_mat(w, rows))
-        g.allocate(allocator)
-        view_of(rows, QType.F32, (n, k))[...] = x
-        g.compute(threads)
-        return view_of(y, QType.F32, (n, m)).copy()
-    finally:
-        g.close()
-        allocator.close()
-
-
 def _bench(argv: list[str] | None = None) -> None:
     """`python -m kazeia_stream.engine.q8_product [--mb MB] [--rows 1,4] [--threads 1,2]`: ms
     per product of a random Q8_0 weight of about MB megabytes (larger than the caches: from
@@ -95,9 +78,10 @@ def _bench(argv: list[str] | None = None) -> None:
     import argparse
     import time
 
+    import numpy as np
     from gguf.quants import quantize
 
-    from .ggml_graph import ArrayTensor
+    from .ggml_graph import Allocator, ArrayTensor, products
 
     ap = argparse.ArgumentParser(description=_bench.__doc__)
     ap.add_argument("--mb", type=int, default=512)
@@ -109,7 +93,7 @@ def _bench(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     block = quantize(rng.standard_normal((1024, 1024), dtype=np.float32), QType.Q8_0)
     data = np.tile(block, (max(1, args.mb * 10**6 // block.nbytes), 1))
-    weight = ArrayTensor(data, QType.Q8_0, (len(data), 1024))
+    weight, allocator = ArrayTensor(data, QType.Q8_0, (len(data), 1024)), Allocator()
     for threads in args.threads:
         for n in args.rows:
             x = rng.standard_normal((n, 1024), dtype=np.float32)
@@ -118,7 +102,7 @@ def _bench(argv: list[str] | None = None) -> None:
                 times = []
                 for _ in range(5):
                     start = time.perf_counter()
-                    multiply(weight.tensor, x, threads, ours)
+                    products(weight.tensor, x, allocator, threads, product if ours else None)
                     times.append(time.perf_counter() - start)
                 ms[ours] = 1e3 * float(np.median(times))
             print(
@@ -127,6 +111,7 @@ def _bench(argv: list[str] | None = None) -> None:
                 f"({data.nbytes / ms[True] / 1e6:.1f} GB/s)",
                 flush=True,
             )
+    allocator.close()
     weight.close()
 
 
