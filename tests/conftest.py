@@ -143,16 +143,19 @@ def capped_model(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Call
 
 
 @pytest.fixture
-def ggml_q8_0(monkeypatch: pytest.MonkeyPatch):
-    """Q8_0 products on ggml's kernels (as on a CPU without AVX512-VNNI) for the engines made
-    during the test, `KAZEIA_Q8_KERNEL=0`; our kernel again after it."""
+def q8_kernel(monkeypatch: pytest.MonkeyPatch):
+    """`q8_kernel(value)` sets `KAZEIA_Q8_KERNEL` for the engines made during the test ("0":
+    Q8_0 products on ggml's kernels, as on a CPU without AVX2; "avx2": our AVX2 variant, as on a
+    CPU without AVX512-VNNI); the default again after it."""
     from kazeia_stream.engine import q8_product
 
-    monkeypatch.setenv(q8_product.ENV, "0")
-    q8_product._kernel.cache_clear()
-    yield
-    monkeypatch.delenv(q8_product.ENV)
-    q8_product._kernel.cache_clear()
+    def use(value: str) -> None:
+        monkeypatch.setenv(q8_product.ENV, value)
+        q8_product.chosen.cache_clear()
+
+    yield use
+    monkeypatch.delenv(q8_product.ENV, raising=False)
+    q8_product.chosen.cache_clear()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

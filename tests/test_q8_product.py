@@ -1,7 +1,9 @@
-"""Our Q8_0 product kernel against ggml's, and what the engines need of it: a row's numbers
-whatever rows come with it, on any thread count."""
+"""Our Q8_0 product kernel (each variant this CPU runs) against ggml's, and what the engines
+need of it: a row's numbers whatever rows come with it, on any thread count."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
@@ -13,7 +15,6 @@ from kazeia_stream.engine.ggml_graph import (
     Allocator,
     ArrayTensor,
     Graph,
-    Tensor,
     dims,
     products,
     type_of,
@@ -21,8 +22,16 @@ from kazeia_stream.engine.ggml_graph import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not q8_product.available(), reason="the kernel is not built, or this CPU lacks AVX512-VNNI"
+    not q8_product.variants(), reason="the kernel is not built, or this CPU lacks AVX2"
 )
+
+
+@pytest.fixture(params=q8_product.VARIANTS)
+def op(request):
+    """Our product on one variant of the kernel (skipped where this CPU does not run it)."""
+    if request.param not in q8_product.variants():
+        pytest.skip(f"this CPU does not run the {request.param} variant")
+    return partial(q8_product.product, variant=request.param)
 
 
 @pytest.fixture(scope="module", params=[(200, 96), (64, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -37,37 +46,45 @@ def weight(request):
     tensor.close()
 
 
-def ours(w: Tensor, x: np.ndarray, threads: int) -> np.ndarray:
-    return products(w, x, Allocator(), threads, q8_product.product)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_kernel_gives_ggml_s_products_to_float_rounding(weight, threads):
+def test_the_kernel_gives_ggml_s_products_to_float_rounding(weight, op, threads):
     w, shape = weight
     x = np.random.default_rng(1).standard_normal((9, shape[1]), dtype=np.float32)
-    ours, ggml = (products(w, x, Allocator(), threads, op) for op in (q8_product.product, None))
+    ours, ggml = (products(w, x, Allocator(), threads, kernel) for kernel in (op, None))
     assert ours.shape == ggml.shape == (9, shape[0])
     assert np.abs(ours - ggml).max() <= 1e-6 * np.abs(ggml).max()
     assert not np.array_equal(ours, np.zeros_like(ours))
 
 
-def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weight):
+def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weight, op):
     w, shape = weight
     x = np.random.default_rng(2).standard_normal((9, shape[1]), dtype=np.float32)
-    alone = np.concatenate([ours(w, x[i : i + 1], 1) for i in range(len(x))])
+    alone = np.concatenate([products(w, x[i : i + 1], Allocator(), 1, op) for i in range(len(x))])
     for count in (2, 4, 5, 9):
         for threads in (1, 2):
-            assert np.array_equal(ours(w, x[:count], threads), alone[:count])
+            assert np.array_equal(products(w, x[:count], Allocator(), threads, op), alone[:count])
 
 
-def test_columns_of_strided_elements_are_made_contiguous_first(weight):
+def test_the_variants_differ_by_float_rounding_only(weight):
+    """Both quantize the rows alike; only the order of the float sums differs."""
+    if len(q8_product.variants()) < 2:
+        pytest.skip("this CPU runs one variant")
+    w, shape = weight
+    x = np.random.default_rng(4).standard_normal((5, shape[1]), dtype=np.float32)
+    a, b = (
+        products(w, x, Allocator(), 1, partial(q8_product.product, variant=v)) for v in q8_product.variants()
+    )
+    assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
+def test_columns_of_strided_elements_are_made_contiguous_first(weight, op):
     """A transposed input (each column's numbers 16 bytes apart), as a graph may hand it."""
     w, (m, k) = weight
     x = np.random.default_rng(3).standard_normal((4, k), dtype=np.float32)
     allocator, g = Allocator(), Graph(8)
     try:
         transposed = g.input(QType.F32, (k, 4))  # ggml [4, k]: the columns' numbers interleaved
-        y = g.output(q8_product.product(g, w, g.permute(transposed, 1, 0, 2, 3)))
+        y = g.output(op(g, w, g.permute(transposed, 1, 0, 2, 3)))
         g.allocate(allocator)
         view_of(transposed, QType.F32, (k, 4))[...] = x.T
         g.compute(1)
@@ -75,11 +92,14 @@ def test_columns_of_strided_elements_are_made_contiguous_first(weight):
     finally:
         g.close()
         allocator.close()
-    assert np.array_equal(got, ours(w, x, 1))
+    assert np.array_equal(got, products(w, x, Allocator(), 1, op))
 
 
-def test_it_can_be_turned_off(ggml_q8_0):
-    assert not q8_product.available()
+def test_it_can_be_turned_off_or_held_to_avx2(q8_kernel):
+    q8_kernel("0")
+    assert not q8_product.available() and q8_product.chosen() is None
+    q8_kernel("avx2")
+    assert q8_product.chosen() == "avx2"
 
 
 def test_a_q8_0_file_s_matrices_go_to_the_kernel(tiny_runtime):

@@ -1,11 +1,12 @@
 /* Q8_0 weights times float32 rows, as a ggml custom operation (see q8_product.py for why).
 
    dst [m, n] = w [m, k] (Q8_0: blocks of an fp16 scale and 32 int8) @ x [k, n] (float32 rows),
-   the rows of x quantized to Q8_0 as ggml does, int8 products on AVX512-VNNI, two blocks per
-   512-bit register. A row of dst is summed in one order whatever n is, so a sequence's numbers
-   do not depend on the rows computed beside it. Each of ggml's threads takes a share of the
-   weight rows and reads them from memory once, in tiles of 16 rows that stay in the cache while
-   every row of x passes (four at a time). */
+   the rows of x quantized to Q8_0 as ggml does. Two variants of the same loops: int8 products on
+   AVX512-VNNI, two blocks per 512-bit register, or on AVX2 (u8 x s8 pairs, then pairs of int16),
+   one block per 256-bit register. A row of dst is summed in one order whatever n is, so a
+   sequence's numbers do not depend on the rows computed beside it. Each of ggml's threads takes
+   a share of the weight rows and reads them from memory once, in tiles of 16 rows that stay in
+   the cache while every row of x passes (four at a time). */
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -35,35 +36,71 @@ typedef struct {
 #define ROWS 4         /* rows of x per pass over a weight row (registers) */
 #define TILE_ROWS 16   /* weight rows per tile: they stay in L1 while every row of x passes */
 #define PREFETCH 8192  /* bytes ahead in the weights: one core reads at memory speed */
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-int kz_q8_supported(void) {
+/* The variant this CPU runs: 2 AVX512-VNNI, 1 AVX2, 0 neither. */
+int kz_q8_level(void) {
     __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c"))
+        return 0;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512vnni")
+               ? 2
+               : 1;
 }
 
-/* One row of x as ggml's quantize_row_q8_0 on AVX-512: per block d = max|x| / 127 (stored as
-   fp16), q = x / d rounded to the nearest (even on ties, as ggml's vector code). The scale is
-   kept eight times over, the width of a block's lanes. */
-TARGET static void quantize(const float *x, int64_t k, int8_t *q, float *d8) {
+/* A block's scale as ggml's quantize_row_q8_0: d = max|x| / 127 (stored as fp16, kept eight
+   times over, the width of a block's lanes); the values are multiplied by 127 / max|x| and
+   rounded to the nearest (even on ties). Returns that multiplier. */
+__attribute__((target("f16c"))) static inline float scale(float amax, float *d8) {
+    float d = _cvtsh_ss(_cvtss_sh(amax / 127.0f, 0));
+    for (int i = 0; i < 8; i++) d8[i] = d;
+    return amax != 0.0f ? 127.0f / amax : 0.0f;
+}
+
+AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) {
     for (int64_t b = 0; b < k / 32; b++) {
         __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        _mm256_storeu_ps(d8 + b * 8, _mm256_set1_ps(_cvtsh_ss(_cvtss_sh(d, 0))));
-        __m512 scale = _mm512_set1_ps(id);
+        __m512 id = _mm512_set1_ps(scale(amax, d8 + b * 8));
         _mm_storeu_si128((__m128i *)(q + b * 32),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id))));
         _mm_storeu_si128((__m128i *)(q + b * 32 + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id))));
+    }
+}
+
+AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d8) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / 32; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * 32 + i * 8);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        __m256 id = _mm256_set1_ps(scale(_mm_cvtss_f32(m4), d8 + b * 8));
+        __m256i i[4];
+        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+        /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                            _mm256_packs_epi32(i[2], i[3]));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * 32), packed);
     }
 }
 
 /* dst[r][row] for weight rows [r0, r1) and rows r of x in [0, n), n <= ROWS. */
-TARGET static void tile(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
-                        const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+typedef void tile_fn(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
+                     const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1);
+
+AVX512 static void tile512(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
+                           const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
         __m512 acc[ROWS];
@@ -104,9 +141,60 @@ TARGET static void tile(const block_q8_0 *w, int64_t nb, int64_t k, int n, const
     }
 }
 
-/* The custom operation (ggml_custom_op_t): src[0] the weights, src[1] x, thread ith of nth. */
-TARGET void kz_q8_product(struct tensor *dst, int ith, int nth, void *userdata) {
-    (void)userdata;
+/* One block of w (its magnitudes, the sign of each int8) times one of x, as floats: the
+   int16 pair sums cannot saturate, x's int8 lie in [-127, 127]. */
+AVX2 static inline __m256 dot256(__m256i magnitude, __m256i wq, const int8_t *xq) {
+    __m256i signed_x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), wq);
+    __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+AVX2 static void tile256(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
+                         const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; row++) {
+        const block_q8_0 *wr = w + row * nb;
+        __m256 acc[ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) { /* two blocks an iteration: two chains of float adds */
+            _mm_prefetch((const char *)(wr + b) + PREFETCH, _MM_HINT_T0);
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)wr[b].qs);
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)wr[b + 1].qs);
+            __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
+            __m256 dw0 = _mm256_set1_ps(_cvtsh_ss(wr[b].d));
+            __m256 dw1 = _mm256_set1_ps(_cvtsh_ss(wr[b + 1].d));
+            for (int r = 0; r < n; r++) {
+                const int8_t *xq = q + r * k + b * 32;
+                const float *dx = d8 + (r * nb + b) * 8;
+                __m256 p1 = _mm256_mul_ps(dot256(m1, w1, xq + 32),
+                                          _mm256_mul_ps(dw1, _mm256_loadu_ps(dx + 8)));
+                acc[r] = _mm256_add_ps(
+                    acc[r], _mm256_fmadd_ps(dot256(m0, w0, xq),
+                                            _mm256_mul_ps(dw0, _mm256_loadu_ps(dx)), p1));
+            }
+        }
+        if (b < nb) { /* an odd last block */
+            __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
+            __m256i magnitude = _mm256_abs_epi8(wq);
+            __m256 dw = _mm256_set1_ps(_cvtsh_ss(wr[b].d));
+            for (int r = 0; r < n; r++) {
+                __m256 dx = _mm256_loadu_ps(d8 + (r * nb + b) * 8);
+                acc[r] = _mm256_fmadd_ps(dot256(magnitude, wq, q + r * k + b * 32),
+                                         _mm256_mul_ps(dw, dx), acc[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            __m128 s = _mm_add_ps(_mm256_extractf128_ps(acc[r], 1), _mm256_castps256_ps128(acc[r]));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            dst[r * dst_row + row] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
+    }
+}
+
+/* The custom operation's body (ggml_custom_op_t): src[0] the weights, src[1] x, thread ith of
+   nth, on one variant's quantizer and tiles. */
+static void product(struct tensor *dst, int ith, int nth,
+                    void (*quantize)(const float *, int64_t, int8_t *, float *), tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
     const int64_t share = ((m + nth - 1) / nth + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
@@ -131,4 +219,14 @@ TARGET void kz_q8_product(struct tensor *dst, int ith, int nth, void *userdata) 
     }
     free(q);
     free(d8);
+}
+
+void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    product(dst, ith, nth, quantize512, tile512);
+}
+
+void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    product(dst, ith, nth, quantize256, tile256);
 }

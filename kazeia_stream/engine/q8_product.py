@@ -1,20 +1,23 @@
 """Q8_0 weights times float32 rows on a kernel of our own (`q8_product.c`), as a ggml custom
 operation in our graphs: the talker's and the code predictor's products, where the CPU has
-AVX512-VNNI.
+AVX2 (two variants of the same loops: AVX512-VNNI where it runs, else AVX2).
 
 Generating a frame is reading the weights, and ggml's Q8_0 kernels do not read them at the
 memory's speed: its arithmetic is the limit. On a Xeon (family 6 model 207), 160 MB of random
 Q8_0 weights (`python -m kazeia_stream.engine.q8_product --mb 160`): one thread, one row, ggml
-19.7 ms (8.1 GB/s) against 13.0 ms (12.2 GB/s) here, four rows 35.1 against 16.9 ms; two
-threads, one row, 10.1 against 7.2 ms (22 GB/s; numpy's max reads 15 and 26 GB/s on one and
-two threads). This kernel: int8 products two blocks a register, the weights prefetched far
-ahead. A row's numbers do not depend on the rows beside it (the engines' batched streams rely
-on it), and they are within float rounding of ggml's (1.5e-7 of the largest output: the rows
-are quantized as ggml does, per block of 32 to int8).
+21.2 ms (7.5 GB/s) against 13.8 ms (11.5 GB/s) on either variant, four rows 38.0 against 17.4
+(AVX512-VNNI) and 24.7 ms (AVX2); two threads, one row, 11.0 against 6.8 ms (23.5 GB/s;
+numpy's max reads 15 and 26 GB/s on one and two threads). ggml there runs its AVX-VNNI code, so
+the AVX2 variant's lead over ggml's plain AVX2 code (on CPUs without VNNI) can only be larger.
+This kernel: int8 products two blocks a register (AVX512-VNNI) or one (AVX2), weight rows in
+tiles that every row of x passes, the weights prefetched far ahead. A row's numbers do not
+depend on the rows beside it (the engines' batched streams rely on it), and they are within
+float rounding of ggml's (2e-7 of the largest output: the rows are quantized as ggml does, per
+block of 32 to int8).
 
 A plain shared library that setuptools builds at install with the package (optional: without
-a C compiler the products stay on ggml's kernels, as on a CPU without AVX512-VNNI, or with
-`KAZEIA_Q8_KERNEL=0`).
+a C compiler the products stay on ggml's kernels, as on a CPU without AVX2, or with
+`KAZEIA_Q8_KERNEL=0`; `KAZEIA_Q8_KERNEL=avx2` holds a CPU with AVX512-VNNI to the AVX2 variant).
 """
 
 from __future__ import annotations
@@ -29,26 +32,39 @@ from gguf import GGMLQuantizationType as QType
 
 from .ggml_graph import Graph, Tensor, dims, strides, type_of
 
-ENV = "KAZEIA_Q8_KERNEL"  # "0": ggml's kernels for every product
+ENV = "KAZEIA_Q8_KERNEL"  # "0": ggml's kernels for every product; "avx2": our AVX2 variant
+VARIANTS = ("avx512", "avx2")  # best first; `kz_q8_level()` 2 runs both, 1 the second
 
 
 @cache
-def _kernel() -> tuple[ctypes.CDLL, int] | None:
-    """The library and the address of its custom operation, where it was built and runs."""
-    if os.environ.get(ENV) == "0":
-        return None
+def _library() -> ctypes.CDLL | None:
+    """The kernel's shared library, where it was built."""
     for suffix in EXTENSION_SUFFIXES:
         path = Path(__file__).with_name("_q8_product" + suffix)
         if path.exists():
-            lib = ctypes.CDLL(str(path))
-            if lib.kz_q8_supported():
-                return lib, ctypes.cast(lib.kz_q8_product, ctypes.c_void_p).value or 0
+            return ctypes.CDLL(str(path))
     return None
 
 
+def variants() -> tuple[str, ...]:
+    """The variants of the kernel this CPU runs, best first (none where it was not built)."""
+    lib = _library()
+    return VARIANTS[len(VARIANTS) - lib.kz_q8_level() :] if lib is not None else ()
+
+
+@cache
+def chosen() -> str | None:
+    """The variant the engines use: the best this CPU runs, unless `KAZEIA_Q8_KERNEL` says
+    otherwise; None for ggml's kernels."""
+    wanted, runs = os.environ.get(ENV), variants()
+    if wanted == "0" or not runs:
+        return None
+    return wanted if wanted in runs else runs[0]
+
+
 def available() -> bool:
-    """Whether the kernel runs here."""
-    return _kernel() is not None
+    """Whether the engines' Q8_0 products run on the kernel."""
+    return chosen() is not None
 
 
 def takes(w: Tensor) -> bool:
@@ -62,21 +78,25 @@ def takes(w: Tensor) -> bool:
     )
 
 
-def product(g: Graph, w: Tensor, x: Tensor) -> Tensor:
-    """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n]."""
-    kernel = _kernel()
-    assert kernel is not None and type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
+def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
+    """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
+    (default: the chosen one)."""
+    lib, variant = _library(), variant or chosen()
+    assert lib is not None and variant in variants()
+    assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
     if strides(x)[0] != 4:
         x = g.cont(x)  # the kernel reads each column contiguous
-    return g.custom(kernel[1], (dims(w)[1], dims(x)[1]), [w, x])
+    op = ctypes.cast(getattr(lib, f"kz_q8_product_{variant}"), ctypes.c_void_p).value or 0
+    return g.custom(op, (dims(w)[1], dims(x)[1]), [w, x])
 
 
 def _bench(argv: list[str] | None = None) -> None:
     """`python -m kazeia_stream.engine.q8_product [--mb MB] [--rows 1,4] [--threads 1,2]`: ms
     per product of a random Q8_0 weight of about MB megabytes (larger than the caches: from
-    memory), on ggml's kernel and on this one (median of 5)."""
+    memory), on ggml's kernel and on each variant of this one that runs here (median of 5)."""
     import argparse
     import time
+    from functools import partial
 
     import numpy as np
     from gguf.quants import quantize
@@ -88,29 +108,27 @@ def _bench(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 4])
     ap.add_argument("--threads", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2])
     args = ap.parse_args(argv)
-    if not available():
-        raise SystemExit("the kernel is not built here, or this CPU lacks AVX512-VNNI")
+    if not variants():
+        raise SystemExit("the kernel is not built here, or this CPU lacks AVX2")
     rng = np.random.default_rng(0)
     block = quantize(rng.standard_normal((1024, 1024), dtype=np.float32), QType.Q8_0)
     data = np.tile(block, (max(1, args.mb * 10**6 // block.nbytes), 1))
     weight, allocator = ArrayTensor(data, QType.Q8_0, (len(data), 1024)), Allocator()
+    ops = {"ggml": None, **{v: partial(product, variant=v) for v in variants()}}
     for threads in args.threads:
         for n in args.rows:
             x = rng.standard_normal((n, 1024), dtype=np.float32)
-            ms = {}
-            for ours in (False, True):
+            figures = []
+            for name, op in ops.items():
                 times = []
                 for _ in range(5):
                     start = time.perf_counter()
-                    products(weight.tensor, x, allocator, threads, product if ours else None)
+                    products(weight.tensor, x, allocator, threads, op)
                     times.append(time.perf_counter() - start)
-                ms[ours] = 1e3 * float(np.median(times))
-            print(
-                f"{data.nbytes / 1e6:.0f} MB, {threads} thread(s), {n} row(s): ggml {ms[False]:.1f} ms "
-                f"({data.nbytes / ms[False] / 1e6:.1f} GB/s), ours {ms[True]:.1f} ms "
-                f"({data.nbytes / ms[True] / 1e6:.1f} GB/s)",
-                flush=True,
-            )
+                ms = 1e3 * float(np.median(times))
+                figures.append(f"{name} {ms:.1f} ms ({data.nbytes / ms / 1e6:.1f} GB/s)")
+            head = f"{data.nbytes / 1e6:.0f} MB, {threads} thread(s), {n} row(s)"
+            print(f"{head}: {', '.join(figures)}", flush=True)
     allocator.close()
     weight.close()
 
