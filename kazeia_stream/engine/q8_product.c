@@ -2,8 +2,9 @@
 
    dst [m, n] = w [m, k] (Q8_0: blocks of an fp16 scale and 32 int8) @ x [k, n] (float32 rows),
    the rows of x quantized to Q8_0 as ggml does. Two variants of the same loops: int8 products on
-   AVX512-VNNI, two blocks per 512-bit register, or on AVX2 (u8 x s8 pairs, then pairs of int16),
-   one block per 256-bit register. A row of dst is summed in one order whatever n is, so a
+   AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it), or
+   on AVX2 (u8 x s8 pairs, then pairs of int16; the sign moved onto x), one block per 256-bit
+   register. A row of dst is summed in one order whatever n is, so a
    sequence's numbers do not depend on the rows computed beside it. Each of ggml's threads takes
    a share of the weight rows and reads them from memory once, in tiles of 16 rows that stay in
    the cache while every row of x passes (four at a time). */
@@ -66,10 +67,11 @@ AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) 
         __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         __m512 id = _mm512_set1_ps(scale(amax, d8 + b * 8));
-        _mm_storeu_si128((__m128i *)(q + b * 32),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id))));
-        _mm_storeu_si128((__m128i *)(q + b * 32 + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id))));
+        const __m128i offset = _mm_set1_epi8((char)0x80); /* q + 128: unsigned for vpdpbusd */
+        __m128i q_lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id)));
+        __m128i q_hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id)));
+        _mm_storeu_si128((__m128i *)(q + b * 32), _mm_xor_si128(q_lo, offset));
+        _mm_storeu_si128((__m128i *)(q + b * 32 + 16), _mm_xor_si128(q_hi, offset));
     }
 }
 
@@ -101,6 +103,9 @@ typedef void tile_fn(const block_q8_0 *w, int64_t nb, int64_t k, int n, const in
 
 AVX512 static void tile512(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
                            const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+    /* x holds q + 128 (unsigned, as vpdpbusd takes it): each dot product starts from
+       -128 * (the sum of w's four int8), computed once for every row of x */
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
         __m512 acc[ROWS];
@@ -111,27 +116,26 @@ AVX512 static void tile512(const block_q8_0 *w, int64_t nb, int64_t k, int n, co
             __m512i wq = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wr[b].qs)),
                 _mm256_loadu_si256((const __m256i *)wr[b + 1].qs), 1);
-            __mmask64 negative = _mm512_movepi8_mask(wq);
-            __m512i magnitude = _mm512_abs_epi8(wq);  /* u8 x s8: the sign goes onto x */
+            __m512i zero = _mm512_setzero_si512();
+            __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, wq));
             __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(wr[b].d)),
                                            _mm256_set1_ps(_cvtsh_ss(wr[b + 1].d)), 1);
             for (int r = 0; r < n; r++) {
                 __m512i xq = _mm512_loadu_si512((const void *)(q + r * k + b * 32));
-                __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+                __m512i dot = _mm512_dpbusd_epi32(start, xq, wq);
                 __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d8 + (r * nb + b) * 8));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             }
         }
         if (b < nb) { /* an odd last block */
             __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
-            __mmask32 negative = _mm256_movepi8_mask(wq);
-            __m256i magnitude = _mm256_abs_epi8(wq);
+            __m256i start = _mm256_sub_epi32(
+                _mm256_setzero_si256(),
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm512_castsi512_si256(offset), wq));
             float dw = _cvtsh_ss(wr[b].d);
             for (int r = 0; r < n; r++) {
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * k + b * 32));
-                __m256i signed_x = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
-                __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+                __m256i dot = _mm256_dpbusd_epi32(start, xq, wq);
                 __m256 scale = _mm256_set1_ps(dw * d8[(r * nb + b) * 8]);
                 __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(part));
@@ -203,8 +207,10 @@ static void product(struct tensor *dst, int ith, int nth,
     int8_t *q = aligned_alloc(64, (size_t)((n * k + 63) / 64 * 64));
     float *d8 = aligned_alloc(64, (size_t)((n * nb * 8 * 4 + 63) / 64 * 64));
     if (q == NULL || d8 == NULL) abort(); /* as ggml does when memory runs out */
-    for (int64_t r = 0; r < n; r++)
-        quantize((const float *)((const char *)x->data + r * x->nb[1]), k, q + r * k, d8 + r * nb * 8);
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = (const float *)((const char *)x->data + r * x->nb[1]);
+        quantize(row, k, q + r * k, d8 + r * nb * 8);
+    }
     const size_t dst_row = dst->nb[1] / sizeof(float);
     const block_q8_0 *weights = w->data;
     for (int64_t at = 0; at < PREFETCH; at += 64)  /* the share's start: `tile` prefetches ahead */
@@ -213,8 +219,8 @@ static void product(struct tensor *dst, int ith, int nth,
         int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
         for (int64_t r = 0; r < n; r += ROWS) {
             int count = n - r < ROWS ? (int)(n - r) : ROWS;
-            tile(weights, nb, k, count, q + r * k, d8 + r * nb * 8, (float *)dst->data + r * dst_row,
-                 dst_row, r0, r1);
+            float *out = (float *)dst->data + r * dst_row;
+            tile(weights, nb, k, count, q + r * k, d8 + r * nb * 8, out, dst_row, r0, r1);
         }
     }
     free(q);
