@@ -56,6 +56,7 @@ from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
+from . import snake
 from .ggml_graph import Allocator, ArrayTensor, Graph, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS
 
@@ -233,12 +234,17 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 class SnakeBeta:
-    """y = x + beta * sin(alpha * x)^2 per channel; alpha and beta come folded from the GGUF."""
+    """y = x + beta * sin(alpha * x)^2 per channel; alpha and beta come folded from the GGUF.
+    On our kernel where it runs (`snake`), else on numpy; x of strided columns (one stream's
+    of several) is copied first, so that a stream's numbers are the same alone or not."""
 
     def __init__(self, alpha: np.ndarray, beta: np.ndarray) -> None:
         self.alpha, self.beta = alpha.astype(F32)[:, None], beta.astype(F32)[:, None]
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if snake.variants():
+            x = x if x.strides[1] == 4 else np.ascontiguousarray(x)
+            return snake.snake(x, self.alpha[:, 0], self.beta[:, 0], np.empty_like(x) if out is None else out)
         t = np.multiply(x, self.alpha)
         np.sin(t, out=t)
         np.multiply(t, t, out=t)

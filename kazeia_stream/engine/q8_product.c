@@ -41,7 +41,7 @@ typedef struct {
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* The variant this CPU runs: 2 AVX512-VNNI, 1 AVX2, 0 neither. */
-int kz_q8_level(void) {
+int kz_q8_product_level(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
         !__builtin_cpu_supports("f16c"))

@@ -25,31 +25,19 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import cache
-from importlib.machinery import EXTENSION_SUFFIXES
-from pathlib import Path
 
 from gguf import GGMLQuantizationType as QType
 
+from . import native
 from .ggml_graph import Graph, Tensor, dims, strides, type_of
 
 ENV = "KAZEIA_Q8_KERNEL"  # "0": ggml's kernels for every product; "avx2": our AVX2 variant
-VARIANTS = ("avx512", "avx2")  # best first; `kz_q8_level()` 2 runs both, 1 the second
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel's shared library, where it was built."""
-    for suffix in EXTENSION_SUFFIXES:
-        path = Path(__file__).with_name("_q8_product" + suffix)
-        if path.exists():
-            return ctypes.CDLL(str(path))
-    return None
+VARIANTS = ("avx512", "avx2")  # best first; `kz_q8_product_level()` 2 runs both, 1 the second
 
 
 def variants() -> tuple[str, ...]:
     """The variants of the kernel this CPU runs, best first (none where it was not built)."""
-    lib = _library()
-    return VARIANTS[len(VARIANTS) - lib.kz_q8_level() :] if lib is not None else ()
+    return native.variants("q8_product", VARIANTS)
 
 
 @cache
@@ -81,7 +69,7 @@ def takes(w: Tensor) -> bool:
 def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
     """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
     (default: the chosen one)."""
-    lib, variant = _library(), variant or chosen()
+    lib, variant = native.library("q8_product"), variant or chosen()
     assert lib is not None and variant in variants()
     assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
     if strides(x)[0] != 4:

@@ -1,0 +1,29 @@
+"""Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_snake` from snake.c),
+which setuptools builds at install with the package, each an optional extension loaded with
+ctypes: where one was not built (no C compiler), or its CPU lacks AVX2, the code it replaces
+runs (ggml's kernels, numpy)."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+
+@cache
+def library(name: str) -> ctypes.CDLL | None:
+    """The shared library `_{name}` beside this module, where it was built."""
+    for suffix in EXTENSION_SUFFIXES:
+        path = Path(__file__).with_name(f"_{name}{suffix}")
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    return None
+
+
+@cache
+def variants(name: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The variants of library `name`'s kernels that this CPU runs, best first: the last
+    `kz_{name}_level()` of `known` (best first)."""
+    lib = library(name)
+    return known[len(known) - getattr(lib, f"kz_{name}_level")() :] if lib is not None else ()

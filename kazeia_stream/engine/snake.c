@@ -1,0 +1,137 @@
+/* SnakeBeta, y = x + beta * sin(alpha * x)^2 per row (a channel) of x [rows, cols], in one pass
+   over x (numpy takes five, and its sin is a third of the cost; see codec.py's SnakeBeta).
+
+   sin^2 t: t = j pi/2 + r with |r| <= pi/4, r reduced with pi/2 in three parts (Cody and Waite;
+   the first two have short mantissas, so j times them is exact for |t| up to REDUCED_MAX), then
+   sin^2 r for an even j and cos^2 r for an odd one, by the minimax polynomials of Cephes' sinf
+   and cosf (errors of a unit in the last place). Beyond REDUCED_MAX (activations never get
+   there; random weights might) an element takes libm's sinf. Two variants of the same loop:
+   AVX-512, 16 floats a register, and AVX2 with FMA, 8. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512dq")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define REDUCED_MAX 8192.0f
+
+#define TWO_OVER_PI 0.636619772367581f
+#define PIO2_1 1.5703125f
+#define PIO2_2 4.837512969970703125e-4f
+#define PIO2_3 7.54978995489188216e-8f
+#define S1 -1.6666654611e-1f
+#define S2 8.3321608736e-3f
+#define S3 -1.9515295891e-4f
+#define C1 4.166664568298827e-2f
+#define C2 -1.388731625493765e-3f
+#define C3 2.443315711809948e-5f
+
+/* The variant this CPU runs: 2 AVX-512, 1 AVX2 with FMA, 0 neither. */
+int kz_snake_level(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
+/* One element, beyond the reduction's range: libm's sin. */
+static float far(float x, float alpha, float beta) {
+    float s = sinf(x * alpha);
+    return fmaf(beta, s * s, x);
+}
+
+AVX512 static __m512 sin2_512(__m512 t) {
+    __m512 j = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(TWO_OVER_PI)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(j, _mm512_set1_ps(PIO2_1), t);
+    r = _mm512_fnmadd_ps(j, _mm512_set1_ps(PIO2_2), r);
+    r = _mm512_fnmadd_ps(j, _mm512_set1_ps(PIO2_3), r);
+    __m512 z = _mm512_mul_ps(r, r);
+    __m512 ps = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(S3), z, _mm512_set1_ps(S2)), z,
+                                _mm512_set1_ps(S1));
+    __m512 s = _mm512_fmadd_ps(_mm512_mul_ps(r, z), ps, r);
+    __m512 pc = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(C3), z, _mm512_set1_ps(C2)), z,
+                                _mm512_set1_ps(C1));
+    __m512 c = _mm512_fmadd_ps(_mm512_mul_ps(z, z), pc,
+                               _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+    __mmask16 odd = _mm512_test_epi32_mask(_mm512_cvtps_epi32(j), _mm512_set1_epi32(1));
+    __m512 v = _mm512_mask_blend_ps(odd, s, c);
+    return _mm512_mul_ps(v, v);
+}
+
+AVX2 static __m256 sin2_256(__m256 t) {
+    __m256 j = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(TWO_OVER_PI)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(j, _mm256_set1_ps(PIO2_1), t);
+    r = _mm256_fnmadd_ps(j, _mm256_set1_ps(PIO2_2), r);
+    r = _mm256_fnmadd_ps(j, _mm256_set1_ps(PIO2_3), r);
+    __m256 z = _mm256_mul_ps(r, r);
+    __m256 ps = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(S3), z, _mm256_set1_ps(S2)), z,
+                                _mm256_set1_ps(S1));
+    __m256 s = _mm256_fmadd_ps(_mm256_mul_ps(r, z), ps, r);
+    __m256 pc = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(C3), z, _mm256_set1_ps(C2)), z,
+                                _mm256_set1_ps(C1));
+    __m256 c = _mm256_fmadd_ps(_mm256_mul_ps(z, z), pc,
+                               _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+    __m256i odd = _mm256_slli_epi32(_mm256_cvtps_epi32(j), 31); /* the sign bit: blendv's mask */
+    __m256 v = _mm256_blendv_ps(s, c, _mm256_castsi256_ps(odd));
+    return _mm256_mul_ps(v, v);
+}
+
+/* y may be x (in place): an element's x is read before its y is written. */
+AVX512 void kz_snake_avx512(const float *x, int64_t rows, int64_t cols, int64_t ldx,
+                            const float *alpha, const float *beta, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xr = x + i * ldx;
+        float *yr = y + i * ldy;
+        __m512 a = _mm512_set1_ps(alpha[i]), b = _mm512_set1_ps(beta[i]);
+        for (int64_t c = 0; c < cols; c += 16) {
+            __mmask16 m = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
+            __m512 xv = _mm512_maskz_loadu_ps(m, xr + c), t = _mm512_mul_ps(xv, a);
+            __m512 out = _mm512_fmadd_ps(b, sin2_512(t), xv);
+            __mmask16 beyond = _mm512_mask_cmp_ps_mask(
+                m, _mm512_abs_ps(t), _mm512_set1_ps(REDUCED_MAX), _CMP_GT_OQ);
+            if (beyond) {
+                float xs[16], ys[16];
+                _mm512_storeu_ps(xs, xv);
+                _mm512_storeu_ps(ys, out);
+                for (int l = 0; l < 16; l++)
+                    if (beyond >> l & 1) ys[l] = far(xs[l], alpha[i], beta[i]);
+                out = _mm512_loadu_ps(ys);
+            }
+            _mm512_mask_storeu_ps(yr + c, m, out);
+        }
+    }
+}
+
+AVX2 void kz_snake_avx2(const float *x, int64_t rows, int64_t cols, int64_t ldx,
+                        const float *alpha, const float *beta, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xr = x + i * ldx;
+        float *yr = y + i * ldy;
+        __m256 a = _mm256_set1_ps(alpha[i]), b = _mm256_set1_ps(beta[i]);
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            __m256 xv = _mm256_loadu_ps(xr + c), t = _mm256_mul_ps(xv, a);
+            __m256 out = _mm256_fmadd_ps(b, sin2_256(t), xv);
+            __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t);
+            __m256 over = _mm256_cmp_ps(abs, _mm256_set1_ps(REDUCED_MAX), _CMP_GT_OQ);
+            int beyond = _mm256_movemask_ps(over);
+            if (beyond) {
+                float xs[8], ys[8];
+                _mm256_storeu_ps(xs, xv);
+                _mm256_storeu_ps(ys, out);
+                for (int l = 0; l < 8; l++)
+                    if (beyond >> l & 1) ys[l] = far(xs[l], alpha[i], beta[i]);
+                out = _mm256_loadu_ps(ys);
+            }
+            _mm256_storeu_ps(yr + c, out);
+        }
+        if (c < cols) { /* the row's last few, through a full register */
+            float xs[8] = {0}, ys[8];
+            for (int64_t l = c; l < cols; l++) xs[l - c] = xr[l];
+            kz_snake_avx2(xs, 1, 8, 8, alpha + i, beta + i, ys, 8);
+            for (int64_t l = c; l < cols; l++) yr[l] = ys[l - c];
+        }
+    }
+}

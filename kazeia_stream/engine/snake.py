@@ -1,0 +1,56 @@
+"""SnakeBeta, y = x + beta * sin(alpha * x)^2 per channel, on a kernel of our own (`snake.c`)
+where the CPU has AVX2: one pass over x, where numpy takes five (its sin a third of the time).
+Four to five times numpy's speed on AVX-512, two to three on AVX2 (the decoder's shapes, from
+96 x 1920 to 768 x 32), and as accurate (both within 1.1e-6 of float64 there). The
+codec decoder's activations (`codec.SnakeBeta`) go through it, or through numpy where it was not
+built."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from functools import cache
+
+import numpy as np
+
+from . import native
+
+VARIANTS = ("avx512", "avx2")  # best first; `kz_snake_level()` 2 runs both, 1 the second
+_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+
+
+def variants() -> tuple[str, ...]:
+    """The variants of the kernel this CPU runs, best first (none where it was not built)."""
+    return native.variants("snake", VARIANTS)
+
+
+@cache
+def _function(variant: str) -> Callable[..., None]:
+    lib = native.library("snake")
+    assert lib is not None and variant in variants()
+    fn = getattr(lib, f"kz_snake_{variant}")
+    fn.argtypes, fn.restype = _ARGS, None
+    return fn
+
+
+def snake(
+    x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, out: np.ndarray, variant: str | None = None
+) -> np.ndarray:
+    """out = x + beta * sin(alpha * x)^2 for x and out [C, n] float32 with rows of contiguous
+    columns (out may be x), alpha and beta [C] contiguous, on `variant` (default: the best)."""
+    assert x.dtype == out.dtype == alpha.dtype == beta.dtype == np.float32
+    assert x.shape == out.shape and x.strides[1] == out.strides[1] == 4
+    assert alpha.flags.c_contiguous and beta.flags.c_contiguous and alpha.size == beta.size == len(x)
+    rows, cols = x.shape
+    _function(variant or variants()[0])(
+        x.ctypes.data,
+        rows,
+        cols,
+        x.strides[0] // 4,
+        alpha.ctypes.data,
+        beta.ctypes.data,
+        out.ctypes.data,
+        out.strides[0] // 4,
+    )
+    return out
