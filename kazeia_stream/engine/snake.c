@@ -106,17 +106,21 @@ AVX512 void kz_snake_avx512(const float *x, int64_t rows, int64_t cols, int64_t 
 
 AVX2 void kz_snake_avx2(const float *x, int64_t rows, int64_t cols, int64_t ldx,
                         const float *alpha, const float *beta, float *y, int64_t ldy) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t i = 0; i < rows; i++) {
         const float *xr = x + i * ldx;
         float *yr = y + i * ldy;
         __m256 a = _mm256_set1_ps(alpha[i]), b = _mm256_set1_ps(beta[i]);
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8) {
-            __m256 xv = _mm256_loadu_ps(xr + c), t = _mm256_mul_ps(xv, a);
+        for (int64_t c = 0; c < cols; c += 8) {
+            /* masked moves for a row's last few only: they are slow on some AVX2 CPUs */
+            int whole = cols - c >= 8;
+            __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols - c)), lanes);
+            __m256 xv = whole ? _mm256_loadu_ps(xr + c) : _mm256_maskload_ps(xr + c, m);
+            __m256 t = _mm256_mul_ps(xv, a);
             __m256 out = _mm256_fmadd_ps(b, sin2_256(t), xv);
             __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t);
             __m256 over = _mm256_cmp_ps(abs, _mm256_set1_ps(REDUCED_MAX), _CMP_GT_OQ);
-            int beyond = _mm256_movemask_ps(over);
+            int beyond = _mm256_movemask_ps(_mm256_and_ps(over, _mm256_castsi256_ps(m)));
             if (beyond) {
                 float xs[8], ys[8];
                 _mm256_storeu_ps(xs, xv);
@@ -125,13 +129,10 @@ AVX2 void kz_snake_avx2(const float *x, int64_t rows, int64_t cols, int64_t ldx,
                     if (beyond >> l & 1) ys[l] = far(xs[l], alpha[i], beta[i]);
                 out = _mm256_loadu_ps(ys);
             }
-            _mm256_storeu_ps(yr + c, out);
-        }
-        if (c < cols) { /* the row's last few, through a full register */
-            float xs[8] = {0}, ys[8];
-            for (int64_t l = c; l < cols; l++) xs[l - c] = xr[l];
-            kz_snake_avx2(xs, 1, 8, 8, alpha + i, beta + i, ys, 8);
-            for (int64_t l = c; l < cols; l++) yr[l] = ys[l - c];
+            if (whole)
+                _mm256_storeu_ps(yr + c, out);
+            else
+                _mm256_maskstore_ps(yr + c, m, out);
         }
     }
 }
