@@ -34,51 +34,61 @@ int kz_snake_level(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 
-/* One element, beyond the reduction's range: libm's sin. */
-static float far(float x, float alpha, float beta) {
-    float s = sinf(x * alpha);
-    return fmaf(beta, s * s, x);
+/* y for the elements set in `beyond` (beyond the reduction's range) of x, by libm's sin; each
+   x is read before its y is written (y may be x). */
+static void far(const float *x, float *y, unsigned beyond, float alpha, float beta) {
+    for (int l = 0; beyond; l++, beyond >>= 1) {
+        if (beyond & 1) {
+            float s = sinf(x[l] * alpha);
+            y[l] = fmaf(beta, s * s, x[l]);
+        }
+    }
 }
 
-AVX512 static __m512 sin2_512(__m512 t) {
-    __m512 j = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(TWO_OVER_PI)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(j, _mm512_set1_ps(PIO2_1), t);
-    r = _mm512_fnmadd_ps(j, _mm512_set1_ps(PIO2_2), r);
-    r = _mm512_fnmadd_ps(j, _mm512_set1_ps(PIO2_3), r);
-    __m512 z = _mm512_mul_ps(r, r);
-    __m512 ps = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(S3), z, _mm512_set1_ps(S2)), z,
-                                _mm512_set1_ps(S1));
-    __m512 s = _mm512_fmadd_ps(_mm512_mul_ps(r, z), ps, r);
-    __m512 pc = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(C3), z, _mm512_set1_ps(C2)), z,
-                                _mm512_set1_ps(C1));
-    __m512 c = _mm512_fmadd_ps(_mm512_mul_ps(z, z), pc,
-                               _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+/* sin^2 t at one register width: P the intrinsics' prefix (_mm512, _mm256), V the register
+   type; ROUND (to the nearest integer) and PICK (s where j is even, c where odd) are the width's
+   own instructions. One body for both variants, so that they give the same bits. */
+#define SIN2(NAME, P, V, ROUND, PICK)                                                      \
+    static inline V NAME(V t) {                                                            \
+        V j = ROUND(P##_mul_ps(t, P##_set1_ps(TWO_OVER_PI)));                              \
+        V r = P##_fnmadd_ps(j, P##_set1_ps(PIO2_1), t);                                    \
+        r = P##_fnmadd_ps(j, P##_set1_ps(PIO2_2), r);                                      \
+        r = P##_fnmadd_ps(j, P##_set1_ps(PIO2_3), r);                                      \
+        V z = P##_mul_ps(r, r);                                                            \
+        V ps = P##_fmadd_ps(P##_fmadd_ps(P##_set1_ps(S3), z, P##_set1_ps(S2)), z,          \
+                            P##_set1_ps(S1));                                              \
+        V s = P##_fmadd_ps(P##_mul_ps(r, z), ps, r);                                       \
+        V pc = P##_fmadd_ps(P##_fmadd_ps(P##_set1_ps(C3), z, P##_set1_ps(C2)), z,          \
+                            P##_set1_ps(C1));                                              \
+        V c = P##_fmadd_ps(P##_mul_ps(z, z), pc,                                           \
+                           P##_fnmadd_ps(P##_set1_ps(0.5f), z, P##_set1_ps(1.0f)));        \
+        V v = PICK(j, s, c);                                                               \
+        return P##_mul_ps(v, v);                                                           \
+    }
+
+AVX512 static inline __m512 round512(__m512 x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+AVX512 static inline __m512 pick512(__m512 j, __m512 s, __m512 c) {
     __mmask16 odd = _mm512_test_epi32_mask(_mm512_cvtps_epi32(j), _mm512_set1_epi32(1));
-    __m512 v = _mm512_mask_blend_ps(odd, s, c);
-    return _mm512_mul_ps(v, v);
+    return _mm512_mask_blend_ps(odd, s, c);
 }
 
-AVX2 static __m256 sin2_256(__m256 t) {
-    __m256 j = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(TWO_OVER_PI)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(j, _mm256_set1_ps(PIO2_1), t);
-    r = _mm256_fnmadd_ps(j, _mm256_set1_ps(PIO2_2), r);
-    r = _mm256_fnmadd_ps(j, _mm256_set1_ps(PIO2_3), r);
-    __m256 z = _mm256_mul_ps(r, r);
-    __m256 ps = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(S3), z, _mm256_set1_ps(S2)), z,
-                                _mm256_set1_ps(S1));
-    __m256 s = _mm256_fmadd_ps(_mm256_mul_ps(r, z), ps, r);
-    __m256 pc = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(C3), z, _mm256_set1_ps(C2)), z,
-                                _mm256_set1_ps(C1));
-    __m256 c = _mm256_fmadd_ps(_mm256_mul_ps(z, z), pc,
-                               _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+AVX2 static inline __m256 round256(__m256 x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+AVX2 static inline __m256 pick256(__m256 j, __m256 s, __m256 c) {
     __m256i odd = _mm256_slli_epi32(_mm256_cvtps_epi32(j), 31); /* the sign bit: blendv's mask */
-    __m256 v = _mm256_blendv_ps(s, c, _mm256_castsi256_ps(odd));
-    return _mm256_mul_ps(v, v);
+    return _mm256_blendv_ps(s, c, _mm256_castsi256_ps(odd));
 }
 
-/* y may be x (in place): an element's x is read before its y is written. */
+AVX512 SIN2(sin2_512, _mm512, __m512, round512, pick512)
+AVX2 SIN2(sin2_256, _mm256, __m256, round256, pick256)
+
+/* y may be x (in place): an element's x is read before its y is written (by `far` too: the
+   store leaves those elements alone). */
 AVX512 void kz_snake_avx512(const float *x, int64_t rows, int64_t cols, int64_t ldx,
                             const float *alpha, const float *beta, float *y, int64_t ldy) {
     for (int64_t i = 0; i < rows; i++) {
@@ -91,15 +101,8 @@ AVX512 void kz_snake_avx512(const float *x, int64_t rows, int64_t cols, int64_t 
             __m512 out = _mm512_fmadd_ps(b, sin2_512(t), xv);
             __mmask16 beyond = _mm512_mask_cmp_ps_mask(
                 m, _mm512_abs_ps(t), _mm512_set1_ps(REDUCED_MAX), _CMP_GT_OQ);
-            if (beyond) {
-                float xs[16], ys[16];
-                _mm512_storeu_ps(xs, xv);
-                _mm512_storeu_ps(ys, out);
-                for (int l = 0; l < 16; l++)
-                    if (beyond >> l & 1) ys[l] = far(xs[l], alpha[i], beta[i]);
-                out = _mm512_loadu_ps(ys);
-            }
-            _mm512_mask_storeu_ps(yr + c, m, out);
+            _mm512_mask_storeu_ps(yr + c, m & ~beyond, out);
+            if (beyond) far(xr + c, yr + c, beyond, alpha[i], beta[i]);
         }
     }
 }
@@ -121,18 +124,14 @@ AVX2 void kz_snake_avx2(const float *x, int64_t rows, int64_t cols, int64_t ldx,
             __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t);
             __m256 over = _mm256_cmp_ps(abs, _mm256_set1_ps(REDUCED_MAX), _CMP_GT_OQ);
             int beyond = _mm256_movemask_ps(_mm256_and_ps(over, _mm256_castsi256_ps(m)));
-            if (beyond) {
-                float xs[8], ys[8];
-                _mm256_storeu_ps(xs, xv);
-                _mm256_storeu_ps(ys, out);
-                for (int l = 0; l < 8; l++)
-                    if (beyond >> l & 1) ys[l] = far(xs[l], alpha[i], beta[i]);
-                out = _mm256_loadu_ps(ys);
-            }
-            if (whole)
+            if (beyond) { /* those elements are x's until `far` reads them */
+                _mm256_maskstore_ps(yr + c, _mm256_andnot_si256(_mm256_castps_si256(over), m), out);
+                far(xr + c, yr + c, (unsigned)beyond, alpha[i], beta[i]);
+            } else if (whole) {
                 _mm256_storeu_ps(yr + c, out);
-            else
+            } else {
                 _mm256_maskstore_ps(yr + c, m, out);
+            }
         }
     }
 }
