@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kazeia_stream.engine import snake
 from kazeia_stream.engine.codec import SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
@@ -39,6 +40,13 @@ def test_matches_the_official_decoder(decoder, reference, one_shot):
     assert one_shot.shape == (80 * decoder.samples_per_frame,) == reference["audio"].shape
     assert decoder.samples_per_frame == 1920
     np.testing.assert_allclose(one_shot, reference["audio"], rtol=0, atol=1e-4)
+
+
+def test_matches_the_official_decoder_on_numpy_s_snake_too(decoder, reference, monkeypatch):
+    """Where our SnakeBeta kernel is not built, or the CPU lacks AVX2, numpy's runs."""
+    monkeypatch.setattr(snake, "variants", lambda: ())
+    audio = decoder.decode(reference["codes"])
+    np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-4)
 
 
 def _chunkings(total: int) -> dict[str, list[int]]:
