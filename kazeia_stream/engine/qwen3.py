@@ -260,7 +260,7 @@ class Qwen3LM:
         not: only then do the two ways that `_together` times differ (our Q8_0 kernel takes
         every row at once, `q8_product`)."""
         return any(
-            columns_agree(w) and not q8_product.takes(w)
+            not q8_product.takes(w) and columns_agree(w)  # the kernel's: no probe needed
             for w in self.weights.tensors.values()
             if dims(w)[1] > 1
         )
