@@ -244,7 +244,7 @@ class SnakeBeta:
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if snake.variants():
             x = x if x.strides[1] == 4 else np.ascontiguousarray(x)
-            return snake.snake(x, self.alpha[:, 0], self.beta[:, 0], np.empty_like(x) if out is None else out)
+            return snake.snake(x, self.alpha, self.beta, np.empty_like(x) if out is None else out)
         t = np.multiply(x, self.alpha)
         np.sin(t, out=t)
         np.multiply(t, t, out=t)
