@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
 
-from kazeia_stream.engine import q8_product
+from kazeia_stream.engine import native, q8_product
 from kazeia_stream.engine.ggml_graph import (
     Allocator,
     ArrayTensor,
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=q8_product.VARIANTS)
+@pytest.fixture(params=native.VARIANTS)
 def op(request):
     """Our product on one variant of the kernel (skipped where this CPU does not run it)."""
     if request.param not in q8_product.variants():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kazeia_stream.engine import snake
+from kazeia_stream.engine import native, snake
 from kazeia_stream.engine.codec import SnakeBeta
 
 pytestmark = pytest.mark.skipif(
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=snake.VARIANTS)
+@pytest.fixture(params=native.VARIANTS)
 def variant(request) -> str:
     if request.param not in snake.variants():
         pytest.skip(f"this CPU does not run the {request.param} variant")

@@ -9,6 +9,9 @@ import ctypes
 from functools import cache
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
+from typing import Any
+
+VARIANTS = ("avx512", "avx2")  # each kernel's, best first: `kz_*_level()` 2 runs both, 1 the second
 
 
 @cache
@@ -22,8 +25,16 @@ def library(name: str) -> ctypes.CDLL | None:
 
 
 @cache
-def variants(name: str, known: tuple[str, ...]) -> tuple[str, ...]:
+def variants(name: str) -> tuple[str, ...]:
     """The variants of library `name`'s kernels that this CPU runs, best first: the last
-    `kz_{name}_level()` of `known` (best first)."""
+    `kz_{name}_level()` of `VARIANTS`."""
     lib = library(name)
-    return known[len(known) - getattr(lib, f"kz_{name}_level")() :] if lib is not None else ()
+    return VARIANTS[len(VARIANTS) - getattr(lib, f"kz_{name}_level")() :] if lib is not None else ()
+
+
+@cache
+def function(name: str, variant: str) -> Any:
+    """Library `name`'s kernel `kz_{name}_{variant}`, for a variant this CPU runs."""
+    lib = library(name)
+    assert lib is not None and variant in variants(name), (name, variant)
+    return getattr(lib, f"kz_{name}_{variant}")  # a ctypes function

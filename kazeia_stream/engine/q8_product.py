@@ -32,12 +32,11 @@ from . import native
 from .ggml_graph import Graph, Tensor, dims, strides, type_of
 
 ENV = "KAZEIA_Q8_KERNEL"  # "0": ggml's kernels for every product; "avx2": our AVX2 variant
-VARIANTS = ("avx512", "avx2")  # best first; `kz_q8_product_level()` 2 runs both, 1 the second
 
 
 def variants() -> tuple[str, ...]:
     """The variants of the kernel this CPU runs, best first (none where it was not built)."""
-    return native.variants("q8_product", VARIANTS)
+    return native.variants("q8_product")
 
 
 @cache
@@ -69,12 +68,12 @@ def takes(w: Tensor) -> bool:
 def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
     """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
     (default: the chosen one)."""
-    lib, variant = native.library("q8_product"), variant or chosen()
-    assert lib is not None and variant in variants()
     assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
     if strides(x)[0] != 4:
         x = g.cont(x)  # the kernel reads each column contiguous
-    op = ctypes.cast(getattr(lib, f"kz_q8_product_{variant}"), ctypes.c_void_p).value or 0
+    variant = variant or chosen()
+    assert variant is not None, "the kernel does not run here"
+    op = ctypes.cast(native.function("q8_product", variant), ctypes.c_void_p).value or 0
     return g.custom(op, (dims(w)[1], dims(x)[1]), [w, x])
 
 

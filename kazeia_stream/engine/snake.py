@@ -15,21 +15,18 @@ import numpy as np
 
 from . import native
 
-VARIANTS = ("avx512", "avx2")  # best first; `kz_snake_level()` 2 runs both, 1 the second
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
 _ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
 
 def variants() -> tuple[str, ...]:
     """The variants of the kernel this CPU runs, best first (none where it was not built)."""
-    return native.variants("snake", VARIANTS)
+    return native.variants("snake")
 
 
 @cache
 def _function(variant: str) -> Callable[..., None]:
-    lib = native.library("snake")
-    assert lib is not None and variant in variants()
-    fn = getattr(lib, f"kz_snake_{variant}")
+    fn = native.function("snake", variant)
     fn.argtypes, fn.restype = _ARGS, None
     return fn
 
@@ -38,7 +35,8 @@ def snake(
     x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, out: np.ndarray, variant: str | None = None
 ) -> np.ndarray:
     """out = x + beta * sin(alpha * x)^2 for x and out [C, n] float32 with rows of contiguous
-    columns (out may be x), alpha and beta [C] contiguous, on `variant` (default: the best)."""
+    columns (out may be x), alpha and beta C values each, contiguous, on `variant` (default:
+    the best)."""
     assert x.dtype == out.dtype == alpha.dtype == beta.dtype == np.float32
     assert x.shape == out.shape and x.strides[1] == out.strides[1] == 4
     assert alpha.flags.c_contiguous and beta.flags.c_contiguous and alpha.size == beta.size == len(x)
