@@ -267,6 +267,7 @@ class Graph:
         self._generation = -1
         self._plans: dict[int, GGMLCPlan] = {}
         self._work = np.empty(0, np.uint8)
+        self._userdata: list[ctypes.Structure] = []  # the custom operations' (`custom`)
 
     def _op(self, t: Tensor) -> Tensor:
         ggml.ggml_build_forward_expand(self.graph, t)
@@ -292,12 +293,19 @@ class Graph:
         names: [M, 1, n]."""
         return self._op(ggml.ggml_mul_mat_id(self._ctx, stacked, x, ids))
 
-    def custom(self, fn: int, ne: Sequence[int], args: Sequence[Tensor]) -> Tensor:
+    def custom(
+        self, fn: int, ne: Sequence[int], args: Sequence[Tensor], userdata: ctypes.Structure | None = None
+    ) -> Tensor:
         """A float32 tensor of sizes `ne` that the C function at `fn` (a ggml_custom_op_t)
-        computes from `args` (its src), on every thread of the call."""
+        computes from `args` (its src), on every thread of the call; `userdata`, a ctypes
+        object the graph keeps while it lives, is passed to it by reference."""
         sizes = (*ne, 1, 1, 1)[:4]
         srcs = (ctypes.c_void_p * len(args))(*args)
-        return self._op(ggml.ggml_custom_4d(self._ctx, QType.F32, *sizes, srcs, len(args), fn, -1, None))
+        data = None
+        if userdata is not None:
+            self._userdata.append(userdata)
+            data = ctypes.cast(ctypes.byref(userdata), ctypes.c_void_p)
+        return self._op(ggml.ggml_custom_4d(self._ctx, QType.F32, *sizes, srcs, len(args), fn, -1, data))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))

@@ -5,9 +5,11 @@
    AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it), or
    on AVX2 (u8 x s8 pairs, then pairs of int16; the sign moved onto x), one block per 256-bit
    register. A row of dst is summed in one order whatever n is, so a
-   sequence's numbers do not depend on the rows computed beside it. Each of ggml's threads takes
-   a share of the weight rows and reads them from memory once, in tiles of 16 rows that stay in
-   the cache while every row of x passes (four at a time). */
+   sequence's numbers do not depend on the rows computed beside it. ggml's threads take chunks
+   of 64 weight rows in turn (a counter of the operation's own, `struct claims`: a thread that
+   another process or the codec decoder holds back leaves its share to the others, as ggml's
+   own products do) and read each from memory once, in tiles of 16 rows that stay in the cache
+   while every row of x passes (four at a time). */
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -36,6 +38,7 @@ typedef struct {
 
 #define ROWS 4         /* rows of x per pass over a weight row (registers) */
 #define TILE_ROWS 16   /* weight rows per tile: they stay in L1 while every row of x passes */
+#define CHUNK_ROWS 64  /* weight rows a thread claims at a time */
 #define PREFETCH 8192  /* bytes ahead in the weights: one core reads at memory speed */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -101,7 +104,20 @@ AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d8) {
 typedef void tile_fn(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
                      const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1);
 
-AVX512 static void tile512(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
+/* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
+#define INLINE static inline __attribute__((always_inline))
+#define TILE(target, name, rows)                                                                \
+    target static void name(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,  \
+                            const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) { \
+        switch (n) {                                                                            \
+        case 1: rows(w, nb, k, 1, q, d8, dst, dst_row, r0, r1); break;                          \
+        case 2: rows(w, nb, k, 2, q, d8, dst, dst_row, r0, r1); break;                          \
+        case 3: rows(w, nb, k, 3, q, d8, dst, dst_row, r0, r1); break;                          \
+        default: rows(w, nb, k, ROWS, q, d8, dst, dst_row, r0, r1); break;                      \
+        }                                                                                       \
+    }
+
+AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, int64_t k, const int n, const int8_t *q,
                            const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
     /* x holds q + 128 (unsigned, as vpdpbusd takes it): each dot product starts from
        -128 * (the sum of w's four int8), computed once for every row of x */
@@ -145,6 +161,8 @@ AVX512 static void tile512(const block_q8_0 *w, int64_t nb, int64_t k, int n, co
     }
 }
 
+TILE(AVX512, tile512, rows512)
+
 /* One block of w (its magnitudes, the sign of each int8) times one of x, as floats: the
    int16 pair sums cannot saturate, x's int8 lie in [-127, 127]. */
 AVX2 static inline __m256 dot256(__m256i magnitude, __m256i wq, const int8_t *xq) {
@@ -153,57 +171,62 @@ AVX2 static inline __m256 dot256(__m256i magnitude, __m256i wq, const int8_t *xq
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-AVX2 static void tile256(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
+AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, int64_t k, const int n, const int8_t *q,
                          const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
-        __m256 acc[ROWS];
-        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        __m256 even[ROWS], odd[ROWS]; /* two chains of fmadds per row: blocks 0, 2, .. and 1, 3, .. */
+        for (int r = 0; r < n; r++) even[r] = odd[r] = _mm256_setzero_ps();
         int64_t b = 0;
-        for (; b + 1 < nb; b += 2) { /* two blocks an iteration: two chains of float adds */
+        for (; b + 1 < nb; b += 2) {
             _mm_prefetch((const char *)(wr + b) + PREFETCH, _MM_HINT_T0);
             __m256i w0 = _mm256_loadu_si256((const __m256i *)wr[b].qs);
             __m256i w1 = _mm256_loadu_si256((const __m256i *)wr[b + 1].qs);
             __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
-            __m256 dw0 = _mm256_set1_ps(_cvtsh_ss(wr[b].d));
-            __m256 dw1 = _mm256_set1_ps(_cvtsh_ss(wr[b + 1].d));
+            float dw0 = _cvtsh_ss(wr[b].d), dw1 = _cvtsh_ss(wr[b + 1].d);
             for (int r = 0; r < n; r++) {
                 const int8_t *xq = q + r * k + b * 32;
                 const float *dx = d8 + (r * nb + b) * 8;
-                __m256 p1 = _mm256_mul_ps(dot256(m1, w1, xq + 32),
-                                          _mm256_mul_ps(dw1, _mm256_loadu_ps(dx + 8)));
-                acc[r] = _mm256_add_ps(
-                    acc[r], _mm256_fmadd_ps(dot256(m0, w0, xq),
-                                            _mm256_mul_ps(dw0, _mm256_loadu_ps(dx)), p1));
+                even[r] = _mm256_fmadd_ps(dot256(m0, w0, xq), _mm256_set1_ps(dw0 * dx[0]), even[r]);
+                odd[r] = _mm256_fmadd_ps(dot256(m1, w1, xq + 32), _mm256_set1_ps(dw1 * dx[8]), odd[r]);
             }
         }
         if (b < nb) { /* an odd last block */
             __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
             __m256i magnitude = _mm256_abs_epi8(wq);
-            __m256 dw = _mm256_set1_ps(_cvtsh_ss(wr[b].d));
+            float dw = _cvtsh_ss(wr[b].d);
             for (int r = 0; r < n; r++) {
-                __m256 dx = _mm256_loadu_ps(d8 + (r * nb + b) * 8);
-                acc[r] = _mm256_fmadd_ps(dot256(magnitude, wq, q + r * k + b * 32),
-                                         _mm256_mul_ps(dw, dx), acc[r]);
+                __m256 scale = _mm256_set1_ps(dw * d8[(r * nb + b) * 8]);
+                even[r] = _mm256_fmadd_ps(dot256(magnitude, wq, q + r * k + b * 32), scale, even[r]);
             }
         }
         for (int r = 0; r < n; r++) {
-            __m128 s = _mm_add_ps(_mm256_extractf128_ps(acc[r], 1), _mm256_castps256_ps128(acc[r]));
+            __m256 sum = _mm256_add_ps(even[r], odd[r]);
+            __m128 s = _mm_add_ps(_mm256_extractf128_ps(sum, 1), _mm256_castps256_ps128(sum));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             dst[r * dst_row + row] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
         }
     }
 }
 
-/* The custom operation's body (ggml_custom_op_t): src[0] the weights, src[1] x, thread ith of
-   nth, on one variant's quantizer and tiles. */
-static void product(struct tensor *dst, int ith, int nth,
+TILE(AVX2, tile256, rows256)
+
+/* The chunks of one operation's weight rows that its threads have claimed, and the threads
+   that found none left: the last of those starts the count again for the operation's next run
+   (ggml runs a graph's next operation, and a graph again, only once every thread is done with
+   this one). One per operation (its userdata), zeroed by the caller. */
+struct claims {
+    int next;
+    int done;
+};
+
+/* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
+   weights, src[1] x, on one variant's quantizer and tiles. */
+static void product(struct tensor *dst, int nth, struct claims *claims,
                     void (*quantize)(const float *, int64_t, int8_t *, float *), tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
-    const int64_t share = ((m + nth - 1) / nth + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    const int64_t first = ith * share, last = first + share < m ? first + share : m;
-    if (first >= last) return;
+    const int chunks = (int)((m + CHUNK_ROWS - 1) / CHUNK_ROWS);
     int8_t *q = aligned_alloc(64, (size_t)((n * k + 63) / 64 * 64));
     float *d8 = aligned_alloc(64, (size_t)((n * nb * 8 * 4 + 63) / 64 * 64));
     if (q == NULL || d8 == NULL) abort(); /* as ggml does when memory runs out */
@@ -213,26 +236,32 @@ static void product(struct tensor *dst, int ith, int nth,
     }
     const size_t dst_row = dst->nb[1] / sizeof(float);
     const block_q8_0 *weights = w->data;
-    for (int64_t at = 0; at < PREFETCH; at += 64)  /* the share's start: `tile` prefetches ahead */
-        _mm_prefetch((const char *)(weights + first * nb) + at, _MM_HINT_T0);
-    for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
-        int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
-        for (int64_t r = 0; r < n; r += ROWS) {
-            int count = n - r < ROWS ? (int)(n - r) : ROWS;
-            float *out = (float *)dst->data + r * dst_row;
-            tile(weights, nb, k, count, q + r * k, d8 + r * nb * 8, out, dst_row, r0, r1);
+    for (int c; (c = __atomic_fetch_add(&claims->next, 1, __ATOMIC_RELAXED)) < chunks;) {
+        const int64_t first = (int64_t)c * CHUNK_ROWS;
+        const int64_t last = first + CHUNK_ROWS < m ? first + CHUNK_ROWS : m;
+        for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
+            int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
+            for (int64_t r = 0; r < n; r += ROWS) {
+                int count = n - r < ROWS ? (int)(n - r) : ROWS;
+                float *out = (float *)dst->data + r * dst_row;
+                tile(weights, nb, k, count, q + r * k, d8 + r * nb * 8, out, dst_row, r0, r1);
+            }
         }
+    }
+    if (__atomic_fetch_add(&claims->done, 1, __ATOMIC_ACQ_REL) == nth - 1) {
+        __atomic_store_n(&claims->next, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&claims->done, 0, __ATOMIC_RELEASE);
     }
     free(q);
     free(d8);
 }
 
-void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *userdata) {
-    (void)userdata;
-    product(dst, ith, nth, quantize512, tile512);
+void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
+    (void)ith;
+    product(dst, nth, claims, quantize512, tile512);
 }
 
-void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *userdata) {
-    (void)userdata;
-    product(dst, ith, nth, quantize256, tile256);
+void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
+    (void)ith;
+    product(dst, nth, claims, quantize256, tile256);
 }

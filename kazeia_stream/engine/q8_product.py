@@ -74,7 +74,13 @@ def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tenso
     variant = variant or chosen()
     assert variant is not None, "the kernel does not run here"
     op = ctypes.cast(native.function("q8_product", variant), ctypes.c_void_p).value or 0
-    return g.custom(op, (dims(w)[1], dims(x)[1]), [w, x])
+    return g.custom(op, (dims(w)[1], dims(x)[1]), [w, x], _Claims())
+
+
+class _Claims(ctypes.Structure):
+    """An operation's count of the chunks of weight rows its threads took (`struct claims`)."""
+
+    _fields_ = [("next", ctypes.c_int), ("done", ctypes.c_int)]
 
 
 def _bench(argv: list[str] | None = None) -> None:
