@@ -385,11 +385,12 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         return firsts
 
     def _pass(self, batch: list[tuple[_Decode, _Result[np.ndarray]]]) -> None:
-        # a first frame with no other stream running gets every core: nothing else can be heard
+        # a first frame with no other stream running gets every core, the generator waiting:
+        # nothing else can be heard before it
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
         codec = self.codec()
         threads = self.cores.free() if alone else self.threads
-        with self.cores.lend(threads):
+        with self.cores.lend(threads, alone=alone):
             with self._cond:
                 if not self._queue:  # the frames asked for are this pass's
                     self.cores.asked = 0

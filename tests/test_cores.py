@@ -59,6 +59,27 @@ def test_within_a_window_the_last_reading_stands():
         assert load.refresh() == first  # less than a window since: not read again
 
 
+def test_graph_calls_that_start_while_a_pass_runs_alone_wait_for_it():
+    """An utterance's first frame, decoded with no other stream running, takes every core: a
+    graph call that starts meanwhile waits until it ends; beside an ordinary pass it does not."""
+    cores = SharedCores(2)
+    done = []
+
+    def call() -> None:
+        done.append(cores.threads(2))
+
+    with cores.lend(1):
+        call()
+    assert len(done) == 1
+    with cores.lend(2, alone=True):
+        waiting = threading.Thread(target=call)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive() and len(done) == 1
+    waiting.join(5)
+    assert not waiting.is_alive() and len(done) == 2
+
+
 async def test_beside_a_busy_process_the_generator_runs_its_graphs_on_one_thread(tiny_runtime, monkeypatch):
     runtime = tiny_runtime("custom_voice")
     threads = []  # the thread count of each graph the talker and the code predictor ran

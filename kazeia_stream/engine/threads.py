@@ -126,14 +126,18 @@ class SharedCores:
     decoder running beside them, and with other processes.
 
     ggml's threads meet at a barrier after every operation, so one thread waiting for a core
-    that someone else holds stalls all the others; each call runs with as many threads fewer
-    as cores are held. The decoder's pass holds its cores while it runs (measured on 2 cores,
-    one core lent: ~7% less wall time per frame in the pipeline); a decode asked for and not
-    yet begun holds them too (`asked`): the graph call that starts meanwhile (the next frame's
+    that someone else holds stalls all the others; each call runs with as many threads fewer as
+    cores are held. The decoder's pass holds its cores while it runs (measured on 2 cores, one
+    core lent: ~7% less wall time per frame in the pipeline); a decode asked for and not yet
+    begun holds them too (`asked`): the graph call that starts meanwhile (the next frame's
     talker step, asked for at the same moment) would otherwise run its whole step on too many
-    threads beside the decode. Cores that other processes keep busy are held likewise
-    (`OthersLoad`, rounded): beside one process spinning on one of 2 cores, a 40-frame run took
-    2.4x its quiet time with the generator on 2 threads, 1.5-1.8x on one.
+    threads beside the decode. While an utterance's first frame is decoded with no other stream
+    running, nothing else can be heard before it: its pass takes every core and the graph calls
+    that start meanwhile wait for it (`lend(..., alone=True)`; on a 2-core AMD Zen 1, `bench
+    --frames 20 --pipeline --repeat 3`, three alternated pairs: first audio 0.42 / 0.33 / 0.35
+    s against 0.45 / 0.37 / 0.37 s, the same RTF). Cores that other processes keep busy are
+    held likewise (`OthersLoad`, rounded): beside one process spinning on one of 2 cores, a
+    40-frame run took 2.4x its quiet time with the generator on 2 threads, 1.5-1.8x on one.
     """
 
     def __init__(self, count: int, others: OthersLoad | None = None) -> None:
@@ -141,13 +145,17 @@ class SharedCores:
         self.lent = 0  # held by the decoder's pass running
         self.asked = 0  # set aside for a decode that waits for its pass
         self.others = others or OthersLoad()
+        self._alone = 0  # passes running that the graphs' calls wait for
+        self._changed = threading.Condition()
 
     def taken(self) -> int:
         """The cores other processes hold now, of those the engines were given (all but one)."""
         return min(self.count - 1, round(self.others.refresh()))
 
     def threads(self, wanted: int) -> int:
-        """Threads for a graph call that wants `wanted`."""
+        """Threads for a graph call that wants `wanted`, once no pass that runs alone does."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._alone)
         return max(1, wanted - max(self.lent, self.asked) - self.taken())
 
     def free(self) -> int:
@@ -155,10 +163,16 @@ class SharedCores:
         return self.count - self.taken()
 
     @contextmanager
-    def lend(self, n: int) -> Iterator[None]:
-        """Take `n` cores away from the graphs' calls while the block runs."""
-        self.lent += n
+    def lend(self, n: int, alone: bool = False) -> Iterator[None]:
+        """Take `n` cores away from the graphs' calls while the block runs; `alone`: the calls
+        that start meanwhile wait for it to end."""
+        with self._changed:
+            self.lent += n
+            self._alone += alone
         try:
             yield
         finally:
-            self.lent -= n
+            with self._changed:
+                self.lent -= n
+                self._alone -= alone
+                self._changed.notify_all()

@@ -26,9 +26,9 @@ async def decode_frames(
     One frame per pass: a push of the frames that queued up while the decoder was busy would
     give the same samples (the decoder's numbers do not depend on the push), but measured no
     faster (see README, "How it works"). An utterance's first frame is decoded ahead of other
-    streams' frames (alone, on every core, when no other stream runs). Sets `first_audio` once
-    the first chunk exists, records the decoder's trace, the time of the first audio and the
-    samples produced."""
+    streams' frames (alone, on every core, the generator waiting, when no other stream runs).
+    Sets `first_audio` once the first chunk exists, records the decoder's trace, the time of
+    the first audio and the samples produced."""
     state: DecoderState | None = None
     async with frames, out:
         async for frame in frames:
