@@ -389,8 +389,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         # nothing else can be heard before it
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
         codec = self.codec()
-        threads = self.cores.free() if alone else self.threads
-        with self.cores.lend(threads, alone=alone):
+        with self.cores.alone() if alone else self.cores.lend(self.threads) as threads:
             with self._cond:
                 if not self._queue:  # the frames asked for are this pass's
                     self.cores.asked = 0

@@ -71,7 +71,7 @@ def test_graph_calls_that_start_while_a_pass_runs_alone_wait_for_it():
     with cores.lend(1):
         call()
     assert len(done) == 1
-    with cores.lend(2, alone=True):
+    with cores.alone():
         waiting = threading.Thread(target=call)
         waiting.start()
         waiting.join(0.3)

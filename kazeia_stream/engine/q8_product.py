@@ -7,18 +7,16 @@ memory's speed: its arithmetic is the limit. On a Xeon (family 6 model 207), 160
 Q8_0 weights (`python -m kazeia_stream.engine.q8_product --mb 160`): one thread, one row, ggml
 21.2 ms (7.5 GB/s) against 13.8 ms (11.5 GB/s) on either variant, four rows 38.0 against 17.4
 (AVX512-VNNI) and 24.7 ms (AVX2); two threads, one row, 11.0 against 6.8 ms (23.5 GB/s; numpy's
-max reads 15 and 26 GB/s on one and two threads). On an AMD EPYC of Zen 1 (AVX2 at half width,
-no VNNI), the engines ran 25-35% slower on this kernel than on ggml's until its threads took
-the weight rows in chunks from a shared count (as ggml's own one-column product does: a thread
-that the host or the codec decoder holds back no longer holds the whole product up), its tile
-bodies were inlined per row count (the accumulators in registers) and each row summed in two
-chains of fmadds: talker and code predictor 40.2 / 113.8 ms a frame against ggml's 41.1 / 122.5
-(median of five alternated rounds), and a talker's worth of products (468 MB in 196 matrices,
-one row) 30.1 against 36.2 ms on two threads. This kernel: int8 products two blocks a register
-(AVX512-VNNI) or one (AVX2), weight rows in tiles that every row of x passes, the weights
-prefetched far ahead. A row's numbers do not depend on the rows beside it (the engines' batched
-streams rely on it), and they are within float rounding of ggml's (2e-7 of the largest output:
-the rows are quantized as ggml does, per block of 32 to int8).
+max reads 15 and 26 GB/s on one and two threads). On an AMD Zen 1 (AVX2 at half width, no VNNI)
+it keeps a small lead over ggml's in the engines (README, "Measured", 2026-12-03 afternoon)
+once its threads claim the weight rows in chunks, as ggml's one-column product does, and its
+tile bodies are inlined per row count: with fixed shares, a thread that the host or the codec
+decoder held back held the whole product up, and the engines ran 25-35% slower than on ggml's.
+This kernel: int8 products two blocks a register (AVX512-VNNI) or one (AVX2), weight rows in
+tiles that every row of x passes, the weights prefetched far ahead. A row's numbers do not
+depend on the rows beside it (the engines' batched streams rely on it), and they are within
+float rounding of ggml's (2e-7 of the largest output: the rows are quantized as ggml does, per
+block of 32 to int8).
 
 A plain shared library that setuptools builds at install with the package (optional: without
 a C compiler the products stay on ggml's kernels, as on a CPU without AVX2, or with

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -133,7 +133,7 @@ class SharedCores:
     talker step, asked for at the same moment) would otherwise run its whole step on too many
     threads beside the decode. While an utterance's first frame is decoded with no other stream
     running, nothing else can be heard before it: its pass takes every core and the graph calls
-    that start meanwhile wait for it (`lend(..., alone=True)`; on a 2-core AMD Zen 1, `bench
+    that start meanwhile wait for it (`alone`; on a 2-core AMD Zen 1, `bench
     --frames 20 --pipeline --repeat 3`, three alternated pairs: first audio 0.42 / 0.33 / 0.35
     s against 0.45 / 0.37 / 0.37 s, the same RTF). Cores that other processes keep busy are
     held likewise (`OthersLoad`, rounded): beside one process spinning on one of 2 cores, a
@@ -162,15 +162,22 @@ class SharedCores:
         """The cores a pass alone may take: those that others do not hold."""
         return self.count - self.taken()
 
+    def lend(self, n: int) -> AbstractContextManager[int]:
+        """Take `n` cores away from the graphs' calls while the block runs (yields n)."""
+        return self._hold(n, alone=False)
+
+    def alone(self) -> AbstractContextManager[int]:
+        """Take every core that others do not hold while the block runs, the graphs' calls
+        that start meanwhile waiting for it to end (yields the cores taken)."""
+        return self._hold(self.free(), alone=True)
+
     @contextmanager
-    def lend(self, n: int, alone: bool = False) -> Iterator[None]:
-        """Take `n` cores away from the graphs' calls while the block runs; `alone`: the calls
-        that start meanwhile wait for it to end."""
+    def _hold(self, n: int, alone: bool) -> Iterator[int]:
         with self._changed:
             self.lent += n
             self._alone += alone
         try:
-            yield
+            yield n
         finally:
             with self._changed:
                 self.lent -= n
