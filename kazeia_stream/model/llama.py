@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llama_cpp
@@ -60,3 +61,14 @@ class LlamaVocab:
         if getattr(self, "ptr", None):
             llama_cpp.llama_model_free(self.ptr)
             self.ptr = None
+
+
+def start_vocab(path: Path) -> Future[LlamaVocab]:
+    """libllama's load of a talker file's vocabulary, begun in a thread of its own (it takes
+    0.25-0.6 s, in libllama, which lets other threads run)."""
+    init_backend()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
+    try:
+        return pool.submit(LlamaVocab, path)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the load

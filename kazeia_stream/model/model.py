@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFFile
-from .llama import LlamaVocab, init_backend
+from .llama import start_vocab
 from .prompt import (
     ASSISTANT,
     ASSISTANT_TAIL,
@@ -88,17 +87,15 @@ class Model:
 
     def __init__(self, talker_path: Path, mmproj_path: Path) -> None:
         self.talker_path, self.mmproj_path = talker_path, mmproj_path
+        # libllama loads the talker's vocabulary (0.25-0.6 s) while what follows runs, the
+        # checks and a Runtime's engines included; its failure raises where it is first used
+        # (a file the checks refuse fails with their error, the load's dropped)
+        self._llama = start_vocab(talker_path)
         self.talker_file = GGUFFile(talker_path)
         self.mmproj_file = GGUFFile(mmproj_path)
         _check_architecture(self.talker_file, self.mmproj_file)
         _check_pair(self.talker_file, self.mmproj_file)
         _check_checkpoint(self.talker_file, self.mmproj_file)
-        # libllama loads the talker's vocabulary (~0.25 s) while what follows runs, a
-        # Runtime's engines included; a failure raises where it is first used
-        init_backend()
-        pool = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
-        self._llama = pool.submit(LlamaVocab, talker_path)
-        pool.shutdown(wait=False)  # the thread ends with the load
         codec_vocab = self.talker_file.tensor_shape(L.TALKER_OUTPUT)[0]
         n_tokens = len(self.talker_file.require(L.KEY_TOKEN_TYPES))
         names = self.talker_file.strings(L.KEY_TOKENS, range(n_tokens - codec_vocab, n_tokens))
