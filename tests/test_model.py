@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -269,3 +270,41 @@ def test_load_and_read_give_every_tensor_as_the_mapping_does(tiny_gguf, out_type
             loaded, raw = f.load(name), f.raw(name)
             assert loaded.dtype == raw.dtype and np.array_equal(loaded, raw)
             assert not isinstance(read, np.memmap) and not isinstance(loaded, np.memmap)
+
+
+def test_llama_log_passes_on_the_levels_the_logger_shows(tiny_gguf, caplog):
+    """The levels of libllama's log passed on to the "llama.cpp" logger are those it shows when
+    a model loads: after a load at WARNING, one at DEBUG gets libllama's whole log."""
+    from kazeia_stream.model.llama import LlamaVocab
+
+    talker = tiny_gguf("custom_voice")[0]
+    with caplog.at_level(logging.WARNING, logger="llama.cpp"):
+        LlamaVocab(talker)
+    with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
+        LlamaVocab(talker)
+    levels = {r.levelno for r in caplog.records if r.name == "llama.cpp"}
+    assert {logging.DEBUG, logging.INFO} <= levels
+    assert any("vocab" in r.getMessage() for r in caplog.records if r.levelno < logging.WARNING)
+
+
+def test_llama_log_filter_passes_continuations_with_their_message():
+    """The C filter (llama_log.c) passes a level at or above the one set, and a continuation
+    line (CONT) exactly when the message it continues was passed."""
+    import ctypes
+
+    import llama_cpp
+
+    from kazeia_stream.model import llama
+
+    if llama._filter is None:
+        pytest.skip("llama_log.c was not built")
+    got: list[tuple[int, bytes]] = []
+    record = llama_cpp.llama_log_callback(lambda level, text, _: got.append((level, text)))
+    debug, info, warn, error, cont = 1, 2, 3, 4, 5
+    try:
+        llama._filter.kz_log_set(record, warn)
+        for level in (debug, cont, warn, cont, info, cont, error, cont):
+            llama._filter.kz_log(level, f"{level}".encode(), ctypes.c_void_p(0))
+    finally:
+        llama.init_backend()  # the filter back to the logger's levels
+    assert got == [(warn, b"3"), (cont, b"5"), (error, b"4"), (cont, b"5")]

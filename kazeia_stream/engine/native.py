@@ -1,15 +1,14 @@
 """Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_snake` from snake.c),
-which setuptools builds at install with the package, each an optional extension loaded with
-ctypes: where one was not built (no C compiler), or its CPU lacks AVX2, the code it replaces
-runs (ggml's kernels, numpy)."""
+built as `clib` says: where one was not built (no C compiler), or its CPU lacks AVX2, the code
+it replaces runs (ggml's kernels, numpy)."""
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
-from importlib.machinery import EXTENSION_SUFFIXES
-from pathlib import Path
 from typing import Any
+
+from .. import clib
 
 VARIANTS = ("avx512", "avx2")  # each kernel's, best first: `kz_*_level()` 2 runs both, 1 the second
 
@@ -17,11 +16,7 @@ VARIANTS = ("avx512", "avx2")  # each kernel's, best first: `kz_*_level()` 2 run
 @cache
 def library(name: str) -> ctypes.CDLL | None:
     """The shared library `_{name}` beside this module, where it was built."""
-    for suffix in EXTENSION_SUFFIXES:
-        path = Path(__file__).with_name(f"_{name}{suffix}")
-        if path.exists():
-            return ctypes.CDLL(str(path))
-    return None
+    return clib.load(__file__, name)
 
 
 @cache

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from .. import clib
 from ..errors import ModelFileError
 
 # llama.cpp's log goes to this logger; the NullHandler keeps it silent unless the application
@@ -19,6 +20,7 @@ log.addHandler(logging.NullHandler())
 
 # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT (continues the previous line)
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_CONT = 5
 
 
 @llama_cpp.llama_log_callback
@@ -28,16 +30,23 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         log.log(_LEVELS.get(level, logging.DEBUG), "%s", message)
 
 
+# llama_log.c: libllama's callback, passing on to `_log_callback` only the levels `log` wants
+# (see there why); None where it was not built. Module-level, as libllama keeps only addresses.
+_filter = clib.load(__file__, "llama_log")
+_callback = _log_callback if _filter is None else ctypes.cast(_filter.kz_log, llama_cpp.llama_log_callback)
 _initialised = False
 
 
 def init_backend() -> None:
     """Route llama.cpp's log to Python logging and initialise its backend, once, before the
-    first model is made (not at import: the pure modules must not start libllama)."""
+    first model is made (not at import: the pure modules must not start libllama); at every
+    call, the levels passed on become those that `log` shows now."""
     global _initialised
+    if _filter is not None:
+        wanted = [level for level, py_level in _LEVELS.items() if log.isEnabledFor(py_level)]
+        _filter.kz_log_set(_log_callback, min(wanted, default=_CONT))
     if not _initialised:
-        # The callback object lives at module level: libllama keeps only its address.
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _initialised = True
 
