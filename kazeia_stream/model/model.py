@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from concurrent.futures import Future
 from functools import cached_property
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import numpy as np
 from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
+from .files import find_pair
 from .gguf_file import GGUFFile
-from .llama import start_vocab
+from .llama import LlamaVocab, start_vocab
 from .prompt import (
     ASSISTANT,
     ASSISTANT_TAIL,
@@ -36,26 +38,6 @@ from .voice import Voice, VoiceLibrary
 VoiceArg = str | Voice | None
 
 log = logging.getLogger(__name__)
-
-
-def find_pair(path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """(talker, mmproj) from a folder holding the pair, or from the talker file with the mmproj
-    beside it. mmproj files are recognised by name (`mmproj*.gguf`), as llama.cpp names them."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file or folder")
-    folder = path if path.is_dir() else path.parent
-    mmprojs = sorted(p for p in folder.glob("*.gguf") if p.name.startswith("mmproj"))
-    if path.is_dir():
-        talkers = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("mmproj"))
-        if len(talkers) != 1:
-            found = ", ".join(p.name for p in talkers) or "none"
-            raise ModelFileError(f"{folder}: expected one talker .gguf beside the mmproj, found {found}")
-        path = talkers[0]
-    if len(mmprojs) != 1:
-        found = ", ".join(p.name for p in mmprojs) or "none"
-        raise ModelFileError(f"{folder}: expected one mmproj*.gguf beside {path.name}, found {found}")
-    return path, mmprojs[0]
 
 
 class _TalkerRows:
@@ -85,12 +67,12 @@ class Model:
     """A Qwen3-TTS model loaded from its GGUF pair: files, config, tokenizer and prompts, no
     compute (a `Runtime` holds the engines). Create it with `load_model`."""
 
-    def __init__(self, talker_path: Path, mmproj_path: Path) -> None:
+    def __init__(self, talker_path: Path, mmproj_path: Path, vocab: Future[LlamaVocab] | None = None) -> None:
         self.talker_path, self.mmproj_path = talker_path, mmproj_path
-        # libllama loads the talker's vocabulary (0.25-0.6 s) while what follows runs, the
-        # checks and a Runtime's engines included; its failure raises where it is first used
-        # (a file the checks refuse fails with their error, the load's dropped)
-        self._llama = start_vocab(talker_path)
+        # libllama loads the talker's vocabulary (0.25-0.6 s; `vocab`, where the caller began
+        # it) while what follows runs, the checks and a Runtime's engines included; its failure
+        # raises where it is first used (a file the checks refuse fails with their error)
+        self._llama = vocab or start_vocab(talker_path)
         self.talker_file = GGUFFile(talker_path)
         self.mmproj_file = GGUFFile(mmproj_path)
         _check_architecture(self.talker_file, self.mmproj_file)
