@@ -15,8 +15,8 @@ from kazeia_stream.engine.threads import Threads, available_cores
 PACKAGE = Path(__file__).resolve().parent.parent / "kazeia_stream"
 # Each layer and the layers it may import from within the package (beside itself).
 BELOW = {
-    "model": {"errors", "ggml_lib"},
-    "engine": {"errors", "ggml_lib", "model"},
+    "model": {"errors", "clib", "ggml_lib"},
+    "engine": {"errors", "clib", "ggml_lib", "model"},
     "channels": {"errors", "engine"},
     "stages": {"errors", "pcm", "model", "engine", "channels", "scheduler"},
 }
