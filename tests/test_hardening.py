@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from processes import FAULTHANDLER, exit_status
-from test_model import one_layer_more
+from test_model import one_layer_more, unknown_tokenizer
 
 pytestmark = pytest.mark.subprocess
 
@@ -253,6 +253,19 @@ def test_a_talker_missing_tensors_is_one_line(tiny_gguf, tmp_path):
     one_layer_more(Path(folder) / talker.name)
     rc, err, _ = run("voices", "--model", folder)
     assert rc == 1 and one_line(err, "talker tensor 'blk.2.attn_norm.weight' is missing"), err
+
+
+def test_a_vocabulary_libllama_refuses_is_one_line_and_v_gives_its_reason(tiny_gguf, tmp_path):
+    """-v passes llama.cpp's errors on (its log filtered in C, model/llama_log.c), not its
+    debug lines."""
+    talker, mmproj = tiny_gguf("custom_voice")
+    folder = pair(tmp_path, talker, mmproj)
+    unknown_tokenizer(Path(folder) / talker.name)
+    rc, err, _ = run("voices", "--model", folder)
+    assert rc == 1 and one_line(err, "libllama could not load it"), err
+    rc, err, _ = run("voices", "--model", folder, "-v")
+    assert rc == 1 and "unknown tokenizer: 'zzzz'" in err and "libllama could not load it" in err, err
+    assert "Traceback" not in err and "llama_model_loader: - kv" not in err, err  # INFO: -vv
 
 
 def test_a_folder_that_cannot_be_written_is_one_line(model, tmp_path):

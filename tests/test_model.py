@@ -206,13 +206,18 @@ def test_a_talker_missing_a_layer_s_tensors_is_refused_at_load(tiny_gguf, tmp_pa
         kazeia_stream.load_model(tmp_path)
 
 
-def test_a_vocabulary_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
-    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+def unknown_tokenizer(talker: Path) -> None:
+    """Rewrite the talker file in place with a tokenizer model libllama does not know ("zzzz")."""
     data = bytearray(talker.read_bytes())
     at = data.index(b"tokenizer.ggml.model") + len(b"tokenizer.ggml.model") + 4 + 8  # its type, length
     assert data[at : at + 4] == b"gpt2"
-    data[at : at + 4] = b"zzzz"  # a tokenizer model libllama does not know
+    data[at : at + 4] = b"zzzz"
     talker.write_bytes(bytes(data))
+
+
+def test_a_vocabulary_libllama_refuses_fails_where_the_model_is_first_used(tiny_gguf, tmp_path):
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    unknown_tokenizer(talker)
     model = kazeia_stream.load_model(tmp_path)  # libllama loads the vocabulary in the background
     for use in (model.ready, lambda: kazeia_stream.Runtime(model), lambda: model.prompt("Hi."), model.ready):
         with pytest.raises(ModelFileError, match="libllama could not load it"):
