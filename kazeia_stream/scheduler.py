@@ -14,8 +14,9 @@ for the others', see `Qwen3LM._product`), and no stream waits for another's whol
 - First audio first: a stream that has not begun does not wait for the pass running to end:
   it begins at that pass's next engine call boundary (after the talker's step, or between two
   code-predictor passes), with one prefill piece and, when that was its last, its first frame;
-  that frame is decoded in a pass of its own, ahead of other streams' later frames, so that
-  its time to first audio stays short.
+  that frame is decoded in a pass of its own, ahead of other streams' later frames (between
+  two streams of the decoder's pass running, where their later blocks run stream by stream),
+  so that its time to first audio stays short.
 - Calls that need the engines alone (a session's prefix rows, a voice's decoder priming) run
   between passes, in the engines' thread.
 
@@ -378,10 +379,15 @@ class Decoder(_Passes[_Decode, np.ndarray]):
 
     def _take(self) -> list[tuple[_Decode, _Result[np.ndarray]]]:
         """First frames alone when there are any, else every queued frame."""
+        return self._take_firsts() or super()._take()
+
+    def _take_firsts(self) -> list[tuple[_Decode, _Result[np.ndarray]]]:
+        """The queued first frames, out of the queue (under the lock)."""
         firsts = [(d, r) for d, r in self._queue if d.first]
-        if not firsts:
-            return super()._take()
-        self._queue = [(d, r) for d, r in self._queue if not d.first]
+        if firsts:
+            self._queue = [(d, r) for d, r in self._queue if not d.first]
+            if not self._queue:  # the frames asked for are being decoded
+                self.cores.asked = 0
         return firsts
 
     def _pass(self, batch: list[tuple[_Decode, _Result[np.ndarray]]]) -> None:
@@ -389,15 +395,43 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         # nothing else can be heard before it
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
         codec = self.codec()
+        served = list(batch)
         with self.cores.alone() if alone else self.cores.lend(self.threads) as threads:
             with self._cond:
                 if not self._queue:  # the frames asked for are this pass's
                     self.cores.asked = 0
-            pcm = codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads)
+
+            def between() -> None:
+                """Between two streams of the pass: first frames asked for since it began are
+                decoded now, not after it (a stream joining others is heard up to a pass
+                sooner; the pass's later streams wait that long)."""
+                with self._cond:
+                    firsts = self._take_firsts()
+                if firsts:
+                    self._decode(codec, firsts, threads)
+                    served.extend(firsts)
+
+            self._decode(codec, batch, threads, between)
+        with self._cond:
+            self._expected = [d.state for d, _ in served]
+
+    def _decode(
+        self,
+        codec: CodecDecoder,
+        batch: list[tuple[_Decode, _Result[np.ndarray]]],
+        threads: int,
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        """Decode the batch's frames and hand each its audio (an error to each, and raised)."""
+        try:
+            pcm = codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads, between)
+        except BaseException as exc:
+            for _, result in batch:
+                result.set(error=exc)
+            raise
         with self._cond:
             for (_, result), p in zip(batch, pcm):
                 result.set(p)
-            self._expected = [d.state for d, _ in batch]
 
     def _stream(self, item: _Decode) -> object:
         return item.state

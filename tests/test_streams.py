@@ -10,6 +10,7 @@ ones bit for bit too.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from test_synthesis import run_cli
 import kazeia_stream
 from kazeia_stream.engine import q8_product
 from kazeia_stream.engine.frames import GenerationOptions
-from kazeia_stream.scheduler import Generator, _Result
+from kazeia_stream.engine.threads import SharedCores
+from kazeia_stream.scheduler import Decoder, Generator, _Decode, _Result
 from kazeia_stream.session import Utterance
 
 TEXTS = {
@@ -217,6 +219,36 @@ def test_a_stream_that_has_not_begun_begins_inside_the_pass_running(shared, solo
     solo = start(solo_runtime.frames, ("aiden", 3))
     np.testing.assert_array_equal(codes, solo_runtime.frames.next_frame(solo))
     solo_runtime.frames.finish(solo)
+
+
+def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_streams(shared):
+    """A stream that joins is heard before the running streams' pass ends: its first frame,
+    asked for while that pass runs, is decoded after the first of the pass's streams, and
+    every stream's samples are those it gets decoded alone."""
+    codec = shared.codec
+    rng = np.random.default_rng(0)
+    codes = [rng.integers(0, codec.quantizer.codebook_size, (1, codec.num_groups)) for _ in range(3)]
+    running = [codec.new_state(), codec.new_state()]
+    for state in running:
+        codec.push(state, rng.integers(0, codec.quantizer.codebook_size, (1, codec.num_groups)))
+    expected = [codec.push(copy.deepcopy(state), c) for state, c in zip(running, codes)]
+    expected.append(codec.push(codec.new_state(), codes[2]))
+    handed: list[_Result] = []  # in the order the decoder handed the frames their audio
+
+    class Recorded(_Result[np.ndarray]):
+        def set(self, value=None, error=None):
+            handed.append(self)
+            super().set(value, error)
+
+    decoder = Decoder(lambda: codec, 1, SharedCores(2), lambda: 3)  # driven here, in this thread
+    results = [Recorded(in_trio=False) for _ in range(3)]
+    decoder._queue = [(_Decode(state, c, first=False), r) for state, c, r in zip(running, codes, results)]
+    batch = decoder._take()
+    decoder._queue = [(_Decode(codec.new_state(), codes[2], first=True), results[2])]  # asked meanwhile
+    decoder._pass(batch)
+    assert decoder._queue == [] and handed == [results[2], results[0], results[1]]
+    for r, audio in zip(results, expected):
+        np.testing.assert_array_equal(r.wait(), audio)
 
 
 def test_a_session_whose_rows_a_free_slot_keeps_opens_without_waiting_for_the_engines(shared, monkeypatch):

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -817,13 +817,20 @@ class CodecDecoder:
         return self.push_many([state], [codes], threads)[0]
 
     def push_many(
-        self, states: Sequence[DecoderState], codes: Sequence[np.ndarray], threads: int | None = None
+        self,
+        states: Sequence[DecoderState],
+        codes: Sequence[np.ndarray],
+        threads: int | None = None,
+        between: Callable[[], None] | None = None,
     ) -> list[np.ndarray]:
         """Decode the next n frames of several utterances (streams) together, the same n for
         each: codes [n, groups] per stream -> audio [n * spf] per stream, each state advanced
         as `push` leaves it, bit for bit.
         The layers up to the first decoder blocks multiply their weights once by the columns of
-        all the streams: with one stream's few columns, reading the weights is the cost."""
+        all the streams: with one stream's few columns, reading the weights is the cost. The
+        later blocks run stream by stream; `between()` is called after each stream's, and may
+        push other states meanwhile (a stream that must be heard soon need not wait for the
+        whole pass)."""
         if len(states) != len(codes):
             raise ValueError(f"{len(states)} states for {len(codes)} code arrays")
         if len({id(state) for state in states}) != len(states):
@@ -850,6 +857,8 @@ class CodecDecoder:
                 for s, piece in self._render(streams, h):
                     outs[s][done[s] : done[s] + len(piece)] = piece
                     done[s] += len(piece)
+                    if between is not None:
+                        between()
         streams.unstack()
         return outs
 
@@ -1052,7 +1061,6 @@ def _bench(argv: list[str] | None = None) -> None:
     stream-frame). CPU time is what the process used; with other processes on the machine,
     wall time is the larger."""
     import argparse
-    from collections.abc import Callable
     from functools import partial
 
     ap = argparse.ArgumentParser(description=_bench.__doc__)
