@@ -402,16 +402,19 @@ class Decoder(_Passes[_Decode, np.ndarray]):
                     self.cores.asked = 0
 
             def between() -> None:
-                """Between two streams of the pass: first frames asked for since it began are
-                decoded now, not after it (a stream joining others is heard up to a pass
-                sooner; the pass's later streams wait that long)."""
+                """Between two streams of a pass over later frames: first frames asked for
+                since it began are decoded now, not after it (a stream joining others is heard
+                up to a pass sooner; the pass's later streams wait that long). A pass of first
+                frames leaves them to the next, which takes every core when they are all the
+                streams there are."""
                 with self._cond:
                     firsts = self._take_firsts()
                 if firsts:
                     self._decode(codec, firsts, threads)
                     served.extend(firsts)
 
-            self._decode(codec, batch, threads, between)
+            later = not any(d.first for d, _ in batch)
+            self._decode(codec, batch, threads, between if later else None)
         with self._cond:
             self._expected = [d.state for d, _ in served]
 

@@ -249,6 +249,14 @@ def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_st
     assert decoder._queue == [] and handed == [results[2], results[0], results[1]]
     for r, audio in zip(results, expected):
         np.testing.assert_array_equal(r.wait(), audio)
+    # a pass of first frames leaves those asked for meanwhile to the next (every core, when
+    # they are all the streams there are)
+    firsts = [(_Decode(codec.new_state(), c, first=True), Recorded(in_trio=False)) for c in codes[:2]]
+    decoder._queue = firsts[:1]
+    batch = decoder._take()
+    decoder._queue = firsts[1:]
+    decoder._pass(batch)
+    assert decoder._queue == firsts[1:]
 
 
 def test_a_session_whose_rows_a_free_slot_keeps_opens_without_waiting_for_the_engines(shared, monkeypatch):
