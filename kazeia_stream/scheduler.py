@@ -14,9 +14,9 @@ for the others', see `Qwen3LM._product`), and no stream waits for another's whol
 - First audio first: a stream that has not begun does not wait for the pass running to end:
   it begins at that pass's next engine call boundary (after the talker's step, or between two
   code-predictor passes), with one prefill piece and, when that was its last, its first frame;
-  that frame is decoded in a pass of its own, ahead of other streams' later frames (between
-  two streams of the decoder's pass running, where their later blocks run stream by stream),
-  so that its time to first audio stays short.
+  that frame is decoded in a pass of its own, ahead of other streams' later frames (or, when
+  the decoder is in a pass over later frames, between two of its streams, whose later blocks
+  run stream by stream), so that its time to first audio stays short.
 - Calls that need the engines alone (a session's prefix rows, a voice's decoder priming) run
   between passes, in the engines' thread.
 
