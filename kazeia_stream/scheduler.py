@@ -410,28 +410,31 @@ class Decoder(_Passes[_Decode, np.ndarray]):
                 with self._cond:
                     firsts = self._take_firsts()
                 if firsts:
-                    self._decode(codec, firsts, threads)
+                    self._hand(firsts, self._decode(codec, firsts, threads))
                     served.extend(firsts)
 
             later = not any(d.first for d, _ in batch)
-            self._decode(codec, batch, threads, between if later else None)
+            pcm = self._decode(codec, batch, threads, between if later else None)
+        self._hand(batch, pcm)  # once the cores are given back
         with self._cond:
             self._expected = [d.state for d, _ in served]
 
+    @staticmethod
     def _decode(
-        self,
         codec: CodecDecoder,
         batch: list[tuple[_Decode, _Result[np.ndarray]]],
         threads: int,
         between: Callable[[], None] | None = None,
-    ) -> None:
-        """Decode the batch's frames and hand each its audio (an error to each, and raised)."""
+    ) -> list[np.ndarray]:
+        """The batch's audio (an error goes to each of its frames, and is raised)."""
         try:
-            pcm = codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads, between)
+            return codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads, between)
         except BaseException as exc:
             for _, result in batch:
                 result.set(error=exc)
             raise
+
+    def _hand(self, batch: list[tuple[_Decode, _Result[np.ndarray]]], pcm: list[np.ndarray]) -> None:
         with self._cond:
             for (_, result), p in zip(batch, pcm):
                 result.set(p)
