@@ -374,8 +374,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
     def _withdraw(self, result: _Result[np.ndarray]) -> None:
         with self._cond:
             super()._withdraw(result)
-            if not self._queue:
-                self.cores.asked = 0
+            self._unask()
 
     def _take(self) -> list[tuple[_Decode, _Result[np.ndarray]]]:
         """First frames alone when there are any, else every queued frame."""
@@ -386,9 +385,13 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         firsts = [(d, r) for d, r in self._queue if d.first]
         if firsts:
             self._queue = [(d, r) for d, r in self._queue if not d.first]
-            if not self._queue:  # the frames asked for are being decoded
-                self.cores.asked = 0
         return firsts
+
+    def _unask(self) -> None:
+        """No cores set aside for a decode that waits for its pass, when none does (under the
+        lock)."""
+        if not self._queue:
+            self.cores.asked = 0
 
     def _pass(self, batch: list[tuple[_Decode, _Result[np.ndarray]]]) -> None:
         # a first frame with no other stream running gets every core, the generator waiting:
@@ -398,8 +401,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         served = list(batch)
         with self.cores.alone() if alone else self.cores.lend(self.threads) as threads:
             with self._cond:
-                if not self._queue:  # the frames asked for are this pass's
-                    self.cores.asked = 0
+                self._unask()
 
             def between() -> None:
                 """Between two streams of a pass over later frames: first frames asked for
@@ -409,9 +411,17 @@ class Decoder(_Passes[_Decode, np.ndarray]):
                 streams there are."""
                 with self._cond:
                     firsts = self._take_firsts()
-                if firsts:
-                    self._hand(firsts, self._decode(codec, firsts, threads))
-                    served.extend(firsts)
+                    self._unask()
+                if not firsts:
+                    return
+                try:
+                    pcm = self._decode(codec, firsts, threads)
+                except BaseException as exc:  # the pass's own frames get it from `_loop`
+                    for _, result in firsts:
+                        result.set(error=exc)
+                    raise
+                self._hand(firsts, pcm)
+                served.extend(firsts)
 
             later = not any(d.first for d, _ in batch)
             pcm = self._decode(codec, batch, threads, between if later else None)
@@ -426,15 +436,11 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         threads: int,
         between: Callable[[], None] | None = None,
     ) -> list[np.ndarray]:
-        """The batch's audio (an error goes to each of its frames, and is raised)."""
-        try:
-            return codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads, between)
-        except BaseException as exc:
-            for _, result in batch:
-                result.set(error=exc)
-            raise
+        """The batch's audio."""
+        return codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads, between)
 
     def _hand(self, batch: list[tuple[_Decode, _Result[np.ndarray]]], pcm: list[np.ndarray]) -> None:
+        """Each frame of the batch its audio."""
         with self._cond:
             for (_, result), p in zip(batch, pcm):
                 result.set(p)
