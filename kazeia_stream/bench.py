@@ -287,8 +287,11 @@ async def _together(
     runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int
 ) -> dict[str, Any]:
     """`streams` utterances started at once: their time to first audio, real-time factor and
-    the audio seconds made per wall second by all of them."""
+    the audio seconds made per wall second by all of them; and the share of that wall time
+    each engine's thread worked (`PassStats.busy_s`: near 1 for the engine that limits)."""
     metrics: list[UtteranceMetrics] = []
+    engines = {"generator_busy": runtime.generator.stats, "decoder_busy": runtime.decoder.stats}
+    busy = {name: stats.busy_s for name, stats in engines.items()}
 
     async def one(i: int) -> None:
         metrics.append(await _stream(runtime, frames, voice, seed + i))
@@ -307,6 +310,7 @@ async def _together(
         "rtf_per_stream": round(statistics.median((m.wall_s or 0.0) / m.audio_s for m in metrics), 3),
         "aggregate_audio_s_per_s": round(sum(m.audio_s for m in metrics) / wall, 3),
         "wall_s": round(wall, 3),
+        **{name: round((stats.busy_s - busy[name]) / wall, 3) for name, stats in engines.items()},
     }
 
 

@@ -57,11 +57,14 @@ Item = TypeVar("Item")
 
 @dataclass
 class PassStats:
-    """How full the passes were: passes run, streams served over all of them, the most in one."""
+    """How full the passes were: passes run, streams served over all of them, the most in one;
+    and the seconds the thread worked, in passes and in the calls between them (against wall
+    time: whether this engine is the one that limits the others)."""
 
     passes: int = 0
     served: int = 0
     widest: int = 0
+    busy_s: float = 0.0
 
     def add(self, n: int) -> None:
         self.passes += 1
@@ -183,20 +186,19 @@ class _Passes(Generic[Item, T]):
                     batch = self._take()
                     self._running = [item for item, _ in batch]
                     self.stats.add(len(batch))
-            if batch is None:
-                try:
-                    call_result.set(fn())
-                except BaseException as exc:  # handed to the caller
-                    call_result.set(error=exc)
-                continue
+            start = time.perf_counter()
             try:
-                self._pass(batch)
-            except BaseException as exc:  # every stream of the pass gets the error
-                for _, result in batch:
+                if batch is None:
+                    call_result.set(fn())
+                else:
+                    self._pass(batch)
+            except BaseException as exc:  # handed to the caller, or to every stream of the pass
+                for result in [call_result] if batch is None else [r for _, r in batch]:
                     result.set(error=exc)
             finally:
                 with self._cond:
                     self._running = []
+                    self.stats.busy_s += time.perf_counter() - start
 
     def stop(self) -> None:
         """Run no more passes or calls, and wait for the one in flight to end."""

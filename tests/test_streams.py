@@ -340,6 +340,40 @@ def test_synthesize_from_several_threads_shares_the_passes(model, alone):
     assert runtime.generator.stats.served > runtime.generator.stats.passes
 
 
+def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shared, monkeypatch):
+    """`stats.busy_s`, on which the streams bench's busy shares rest: the decoder's grows by its
+    decodes (and a pass's bookkeeping around them), the generator's by at least its passes'
+    frames, and neither while the engines wait for work."""
+    spent = {"decoder": 0.0, "generator": 0.0}
+    depth = {"generator": 0}  # a pass's frame loop calls itself for streams that join it
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            depth[name] = depth.get(name, 0) + 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[name] -= 1
+                if not depth[name]:
+                    spent[name] += time.perf_counter() - start
+
+        return run
+
+    monkeypatch.setattr(shared.codec, "push_many", timed("decoder", shared.codec.push_many))
+    monkeypatch.setattr(shared.frames, "next_frames", timed("generator", shared.frames.next_frames))
+    engines = {"decoder": shared.decoder.stats, "generator": shared.generator.stats}
+    before = {name: stats.busy_s for name, stats in engines.items()}
+    start = time.perf_counter()
+    shared.synthesize("A few words to time.", voice="ryan", seed=5, text_streaming=True)
+    wall = time.perf_counter() - start
+    worked = {name: stats.busy_s - before[name] for name, stats in engines.items()}
+    time.sleep(0.3)
+    assert {name: stats.busy_s - before[name] for name, stats in engines.items()} == worked
+    assert 0 < spent["decoder"] <= worked["decoder"] <= 1.1 * spent["decoder"] + 0.02
+    assert 0 < spent["generator"] <= worked["generator"] <= wall
+
+
 @pytest.mark.parametrize("n", [0, -1, 10_000])
 def test_max_streams_is_checked(model, n):
     with pytest.raises(kazeia_stream.UsageError, match="max_streams must be between 1 and"):
@@ -367,6 +401,10 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     # within 2x unless one round took 5.8x the other's time)
     rate = 3 * 6 * 0.08 / figures["wall_s"]
     assert 0.99 * rate <= figures["aggregate_audio_s_per_s"] <= 2 * rate
+    # the engines' threads worked for part of the rounds' wall time (medians of the rounds)
+    assert 0 < figures["generator_busy"] <= 1.05 and 0 < figures["decoder_busy"] <= 1.05
+    busy = f"threads busy: generator {figures['generator_busy']:.0%}, decoder {figures['decoder_busy']:.0%}"
+    assert busy in r.stderr.decode()  # the summary line, on stderr beside --json
 
 
 def test_the_streams_bench_compares_each_round_with_one_stream_right_after_it(tiny_runtime, monkeypatch):
