@@ -122,7 +122,8 @@ def _bench(argv: list[str] | None = None) -> None:
                     products(weight.tensor, x, allocator, threads, op)
                     times.append(time.perf_counter() - start)
                 ms = 1e3 * float(np.median(times))
-                figures.append(f"{name} {ms:.1f} ms ({data.nbytes / ms / 1e6:.1f} GB/s)")
+                ns = 1e6 * ms / (len(data) * 1024 // 32 * n)  # per block of 32 weights and row of x
+                figures.append(f"{name} {ms:.1f} ms ({data.nbytes / ms / 1e6:.1f} GB/s, {ns:.2f} ns/32 MACs)")
             head = f"{data.nbytes / 1e6:.0f} MB, {threads} thread(s), {n} row(s)"
             print(f"{head}: {', '.join(figures)}", flush=True)
     allocator.close()
