@@ -345,11 +345,11 @@ def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shar
     decodes (and a pass's bookkeeping around them), the generator's by at least its passes'
     frames, and neither while the engines wait for work."""
     spent = {"decoder": 0.0, "generator": 0.0}
-    depth = {"generator": 0}  # a pass's frame loop calls itself for streams that join it
+    depth = dict.fromkeys(spent, 0)  # a pass calls its engine again for streams that join it
 
     def timed(name, fn):
         def run(*args, **kwargs):
-            depth[name] = depth.get(name, 0) + 1
+            depth[name] += 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -367,11 +367,12 @@ def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shar
     start = time.perf_counter()
     shared.synthesize("A few words to time.", voice="ryan", seed=5, text_streaming=True)
     wall = time.perf_counter() - start
+    time.sleep(0.3)  # a pass's last bookkeeping may end after its caller has its result
     worked = {name: stats.busy_s - before[name] for name, stats in engines.items()}
-    time.sleep(0.3)
+    time.sleep(0.3)  # waiting for work
     assert {name: stats.busy_s - before[name] for name, stats in engines.items()} == worked
     assert 0 < spent["decoder"] <= worked["decoder"] <= 1.1 * spent["decoder"] + 0.02
-    assert 0 < spent["generator"] <= worked["generator"] <= wall
+    assert 0 < spent["generator"] <= worked["generator"] <= wall + 0.02
 
 
 @pytest.mark.parametrize("n", [0, -1, 10_000])
