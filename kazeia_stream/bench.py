@@ -192,11 +192,13 @@ async def run_pipeline_bench(
                 warm_up = tts.speak(BENCH_TEXT)
                 async for _chunk in warm_up:
                     warm_up.cancel()  # barge-in at its first audio
+            busy = _busy_s(runtime)
             utterance = tts.speak(BENCH_TEXT)
             async for _chunk in utterance:
                 pass
             m = utterance.metrics
             assert m.ttfa_s is not None and m.wall_s is not None
+            shares = _busy_shares(runtime, busy, m.wall_s)
             figures = _figures(
                 m.frames,
                 m.audio_s,
@@ -207,7 +209,7 @@ async def run_pipeline_bench(
                 m.code_predictor_s,
                 m.decoder.busy,
             )
-            results.append(figures | await trio.to_thread.run_sync(floors, runtime, figures))
+            results.append(figures | shares | await trio.to_thread.run_sync(floors, runtime, figures))
             t0 = m.started
             traces.append(
                 {
@@ -283,15 +285,24 @@ async def _stream(
         return utterance.metrics
 
 
+def _busy_s(runtime: Runtime) -> dict[str, float]:
+    """Seconds each engine's thread has worked so far (`PassStats.busy_s`)."""
+    return {"generator_busy": runtime.generator.stats.busy_s, "decoder_busy": runtime.decoder.stats.busy_s}
+
+
+def _busy_shares(runtime: Runtime, since: dict[str, float], wall: float) -> dict[str, float]:
+    """The share of `wall` seconds each engine's thread worked since `since` (`_busy_s`): near
+    1 for the engine that limits the others, both near 1 when the cores do."""
+    return {name: round((now - since[name]) / wall, 3) for name, now in _busy_s(runtime).items()}
+
+
 async def _together(
     runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int
 ) -> dict[str, Any]:
     """`streams` utterances started at once: their time to first audio, real-time factor and
-    the audio seconds made per wall second by all of them; and the share of that wall time
-    each engine's thread worked (`PassStats.busy_s`: near 1 for the engine that limits)."""
+    the audio seconds made per wall second by all of them, and the engines' busy shares."""
     metrics: list[UtteranceMetrics] = []
-    engines = {"generator_busy": runtime.generator.stats, "decoder_busy": runtime.decoder.stats}
-    busy = {name: stats.busy_s for name, stats in engines.items()}
+    busy = _busy_s(runtime)
 
     async def one(i: int) -> None:
         metrics.append(await _stream(runtime, frames, voice, seed + i))
@@ -310,7 +321,7 @@ async def _together(
         "rtf_per_stream": round(statistics.median((m.wall_s or 0.0) / m.audio_s for m in metrics), 3),
         "aggregate_audio_s_per_s": round(sum(m.audio_s for m in metrics) / wall, 3),
         "wall_s": round(wall, 3),
-        **{name: round((stats.busy_s - busy[name]) / wall, 3) for name, stats in engines.items()},
+        **_busy_shares(runtime, busy, wall),
     }
 
 

@@ -365,8 +365,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all{against_solo}, "
             f"RTF per stream {figures['rtf_per_stream']:.2f}; first audio p50 {figures['ttfa_s_p50']:.3f} s, "
             f"p95 {figures['ttfa_s_p95']:.3f} s (alone {figures['solo_ttfa_s']:.3f} s{joined}); "
-            f"threads busy: generator {figures['generator_busy']:.0%}, "
-            f"decoder {figures['decoder_busy']:.0%}; "
+            f"{_busy_line(figures)}; "
             f"peak RSS {figures['peak_rss_mb']:.0f} MB",
             figures,
             args.json,
@@ -385,7 +384,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         overlap = statistics.median(t["overlap_s"] for t in traces)
         print(
             f"pipeline: {1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
-            f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s",
+            f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s; "
+            f"{_busy_line(result)}",
             file=sys.stderr,
         )
     else:
@@ -412,6 +412,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.json,
     )
     return 0
+
+
+def _busy_line(figures: dict[str, Any]) -> str:
+    return f"threads busy: generator {figures['generator_busy']:.0%}, decoder {figures['decoder_busy']:.0%}"
 
 
 def _report(summary: str, figures: dict[str, Any], as_json: bool) -> None:

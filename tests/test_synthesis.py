@@ -198,6 +198,10 @@ def test_pipeline_bench_repeats_and_reports_medians(tiny_gguf, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout.decode().strip().splitlines()[-1])
     assert result["frames"] == 5 and "medians of 3 runs" in r.stderr.decode()
+    # each engine's thread worked for part of its utterance's wall time, and the line says so
+    assert 0 < result["generator_busy"] <= 1.05 and 0 < result["decoder_busy"] <= 1.05
+    busy = f"threads busy: generator {result['generator_busy']:.0%}, decoder {result['decoder_busy']:.0%}"
+    assert busy in r.stderr.decode()
     # the floors measured after the first runs read buffers larger than the caches, in a
     # process of their own: the tiny model's peak stays well under one of them
     assert result["peak_rss_mb"] < BUFFER_BYTES / 2**20
