@@ -146,14 +146,9 @@ def cmd_voice_create(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> Model:
-    from .model.files import find_pair
-    from .model.llama import start_vocab
+    from .model import load_model
 
-    talker, mmproj = find_pair(_model_path(args))
-    vocab = start_vocab(talker)  # libllama reads it while the modules below import
-    from .model.model import Model
-
-    return Model(talker, mmproj, vocab)
+    return load_model(_model_path(args))
 
 
 def _runtime(args: argparse.Namespace, model: Model, max_streams: int = 1) -> Runtime:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from concurrent.futures import Future
 from functools import cached_property
@@ -14,7 +13,6 @@ import numpy as np
 from ..errors import EmptyTextError, ModelFileError, UsageError
 from . import gguf_layout as L
 from .config import ModelConfig, read_config
-from .files import find_pair
 from .gguf_file import GGUFFile
 from .llama import LlamaVocab, start_vocab
 from .prompt import (
@@ -378,10 +376,3 @@ def _check_pair(talker: GGUFFile, mmproj: GGUFFile) -> None:
             f"{talker.path} and {mmproj.path} are not a pair: the talker has width {hidden} and "
             f"{codec_vocab} codec rows, the mmproj expects {cp_width} and {cp_rows}"
         )
-
-
-def load_model(path: str | os.PathLike[str]) -> Model:
-    """Load a model from a folder holding the GGUF pair, or from the talker file. The files
-    are checked here; libllama's load of the talker's vocabulary goes on in the background, so
-    that a `Runtime` made next overlaps its own loading with it (`Model.ready` waits for it)."""
-    return Model(*find_pair(path))
