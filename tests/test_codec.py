@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kazeia_stream.engine import snake
+from kazeia_stream.engine import snake, winograd
 from kazeia_stream.engine.codec import SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
@@ -47,6 +47,18 @@ def test_matches_the_official_decoder_on_numpy_s_snake_too(decoder, reference, m
     monkeypatch.setattr(snake, "variants", lambda: ())
     audio = decoder.decode(reference["codes"])
     np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-4)
+
+
+def test_matches_the_official_decoder_on_the_direct_products_too(tiny_gguf, reference, one_shot, monkeypatch):
+    """KAZEIA_WINOGRAD=0 (or no kernel for the transforms): each tap's product, as the official
+    decoder; Winograd's differs from it by float rounding."""
+    monkeypatch.setenv(winograd.ENV, "0")
+    direct = CodecDecoder(GGUFFile(tiny_gguf("custom_voice")[1]), DECODER_THREADS)
+    assert {unit.conv1.method for block in direct.blocks for unit in block.units} == {"taps"}
+    audio = direct.decode(reference["codes"])
+    np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-4)
+    if winograd.available():
+        assert 0 < np.abs(audio - one_shot).max() < 2e-5
 
 
 def _chunkings(total: int) -> dict[str, list[int]]:
@@ -215,8 +227,8 @@ def _mapped(array: np.ndarray) -> bool:
 
 def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
     """Fresh memory is slow to fault in, so a weight is copied at load only where the decoder
-    multiplies it in a layout of its own: the transposed convs, and the convs of many columns
-    a frame, tap by tap."""
+    multiplies it in a layout of its own: the transposed convs, the convs of many columns a
+    frame, tap by tap, and the residual units' dilated convs in Winograd's F(2, 7)."""
     rate = {id(m): columns for m, columns in decoder.products()}
     tfm = decoder.transformer
     in_place = [m.w for layer in tfm.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
@@ -224,10 +236,13 @@ def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
     in_place += decoder.pre_conv.products + decoder.entry.products
     assert all(_mapped(m.array) for m in in_place)
     assert len(decoder.entry.products) == 1  # one product over gathered columns
-    split = [conv for block in decoder.blocks for unit in block.units for conv in (unit.conv1, unit.conv2)]
-    for conv in split:
-        if conv.k > 1:
-            assert rate[id(conv.products[0])] > SPLIT_COLUMNS and len(conv.products) == conv.k
+    for block in decoder.blocks:
+        for unit in block.units:
+            assert unit.conv2.k == 1 and unit.conv2.method == "gathered"
+            conv = unit.conv1
+            assert conv.method == ("winograd" if winograd.available() else "taps")
+            assert len(conv.products) == (winograd.SIZE if winograd.available() else conv.k)
+            assert conv.method == "winograd" or rate[id(conv.products[0])] > SPLIT_COLUMNS
             assert not any(_mapped(m.array) for m in conv.products)
     assert not any(_mapped(block.up.w.array) for block in decoder.blocks)
 

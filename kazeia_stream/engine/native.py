@@ -1,4 +1,5 @@
-"""Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_snake` from snake.c),
+"""Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_snake` from snake.c,
+`_winograd` from winograd.c),
 built as `clib` says: where one was not built (no C compiler), or its CPU lacks AVX2, the code
 it replaces runs (ggml's kernels, numpy)."""
 
@@ -28,8 +29,9 @@ def variants(name: str) -> tuple[str, ...]:
 
 
 @cache
-def function(name: str, variant: str) -> Any:
-    """Library `name`'s kernel `kz_{name}_{variant}`, for a variant this CPU runs."""
+def function(name: str, variant: str, op: str = "") -> Any:
+    """Library `name`'s kernel `kz_{name}_{variant}` (or its operation `kz_{name}_{op}_{variant}`),
+    for a variant this CPU runs."""
     lib = library(name)
     assert lib is not None and variant in variants(name), (name, variant)
-    return getattr(lib, f"kz_{name}_{variant}")  # a ctypes function
+    return getattr(lib, f"kz_{name}_{op}_{variant}" if op else f"kz_{name}_{variant}")  # a ctypes function

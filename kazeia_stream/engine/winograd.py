@@ -1,0 +1,154 @@
+"""Winograd's minimal filtering F(2, 7) (Lavin and Gray, 2015) for the codec decoder's causal
+convolutions of 7 taps: two outputs of a channel from 8 inputs in 8 products instead of 14, so
+a convolution [C_out, C_in, 7] over n columns costs 8 GEMMs [C_out, C_in] x [C_in, n / 2]
+instead of 7 of n columns: 4/7 of the multiply-adds. The decoder's residual units are most of
+its multiply-adds and bound by them on CPUs whose float32 FMA is the limit (Zen 1: 8 a cycle);
+the transforms before and after the GEMMs are a few percent (ours, `winograd.c`).
+
+Tiles: outputs t and t + d (d the dilation times the streams: a context buffer's columns), in
+blocks of 2 d columns from the first column of a call, then pairs and single outputs for the
+rest; the decoder calls a layer with one frame's columns at a time, so every column of an
+utterance is always in the same tile, and chunks of any sizes give the samples of the
+one-shot decode, bit for bit. The numbers differ from the direct convolution's by float
+rounding, amplified by the transforms: 2e-6 of the largest output on random weights against
+3e-7 for the direct one (the interpolation points 0, +-1, +-2, +-1/2 and infinity are the
+well-conditioned ones).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+from fractions import Fraction
+from functools import cache
+
+import numpy as np
+
+from . import native
+
+ENV = "KAZEIA_WINOGRAD"  # "0": the direct products (the official decoder's to 1e-6, not 3e-6)
+TAPS = 7
+POINTS = (Fraction(0), Fraction(1), Fraction(-1), Fraction(2), Fraction(-2), Fraction(1, 2), Fraction(-1, 2))
+SIZE = TAPS + 1  # a tile's inputs: len(POINTS) and infinity
+_LINE = 16  # floats in a cache line
+_RUN = 4  # int64 fields of winograd.c's `struct run`: col, count, step, paired
+
+F32 = np.float32
+
+
+def available() -> bool:
+    """Whether the decoder multiplies so: our transforms' kernel runs here (built, the CPU has
+    AVX2 with FMA), and `KAZEIA_WINOGRAD=0` does not ask for the direct products."""
+    return os.environ.get(ENV) != "0" and bool(native.variants("winograd"))
+
+
+def _inverse(a: list[list[Fraction]]) -> list[list[Fraction]]:
+    """The inverse of a square matrix of fractions (Gauss-Jordan), exact."""
+    n = len(a)
+    rows = [row[:] + [Fraction(int(i == j)) for j in range(n)] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = next(r for r in range(col, n) if rows[r][col] != 0)
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        rows[col] = [v / rows[col][col] for v in rows[col]]
+        for r in range(n):
+            if r != col and rows[r][col] != 0:
+                rows[r] = [v - rows[r][col] * p for v, p in zip(rows[r], rows[col])]
+    return [row[n:] for row in rows]
+
+
+def _vandermonde(columns: int) -> list[list[Fraction]]:
+    """Polynomials of `columns` coefficients evaluated at POINTS and at infinity (the leading one)."""
+    infinity = [Fraction(int(j == columns - 1)) for j in range(columns)]
+    return [[p**j for j in range(columns)] for p in POINTS] + [infinity]
+
+
+@cache
+def matrices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A^T [2, 8], G [8, 7], B^T [8, 8] (float64, exact fractions rounded once) such that
+    y = A^T ((G g) * (B^T x)) is the correlation y_i = sum_j g_j x_(i + j), i = 0, 1: the
+    transposed Toom-Cook algorithm for the linear convolution of 7 and 2 coefficients."""
+    to_array = lambda m: np.array([[float(v) for v in row] for row in m])
+    a_t = to_array(_vandermonde(2)).T.copy()
+    b_t = to_array(_inverse(_vandermonde(SIZE))).T.copy()
+    return a_t, to_array(_vandermonde(TAPS)), b_t
+
+
+def kernel_weights(w: np.ndarray) -> np.ndarray:
+    """U [8, C_out, C_in] float32 of a convolution's weight w [C_out, C_in, 7]: U_k = sum_j
+    G[k, j] w_j (G's entries are powers of 2: only the sums round). One product at load,
+    5 ms for the largest (in float64, 100 ms, for a last bit)."""
+    c_out, c_in, taps = w.shape
+    return (matrices()[1].astype(F32) @ w.reshape(c_out * c_in, taps).T).reshape(SIZE, c_out, c_in)
+
+
+@cache
+def plan(cols: int, d: int) -> np.ndarray:
+    """The tiles of a call of `cols` columns with a dilation of d columns, as winograd.c's
+    runs [n, 4]: blocks of 2 d columns (d pairs each, one run with step 2 for d = 1), then for
+    the last cols mod 2 d columns the pairs that fit and single outputs."""
+    blocks = cols // (2 * d)
+    runs = [(0, blocks, 2, 1)] if d == 1 else [(2 * d * b, d, 1, 1) for b in range(blocks)]
+    start = blocks * 2 * d
+    pairs = max(cols - start - d, 0)
+    singles = cols - start - 2 * pairs
+    runs += [(start, pairs, 1, 1)] if pairs else []
+    runs += [(start + pairs, singles, 1, 0)] if singles else []
+    return np.array([r for r in runs if r[1]], dtype=np.int64).reshape(-1, _RUN)
+
+
+def tiles(cols: int, d: int) -> int:
+    """The columns of each of the 8 products for a call of `cols` columns."""
+    return int(plan(cols, d)[:, 1].sum())
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGS = {  # winograd.c's parameters
+    "in": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I],
+    "out": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I],
+}
+
+
+@cache
+def _function(op: str) -> Callable[..., None]:
+    fn = native.function("winograd", native.variants("winograd")[0], op)
+    fn.argtypes, fn.restype = _ARGS[op], None
+    return fn
+
+
+def _call(op: str, *args: np.ndarray | int) -> None:
+    _function(op)(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args))
+
+
+def planes(rows: int, cols: int) -> np.ndarray:
+    """An uninitialized [8, rows, cols] float32 whose planes (each C-contiguous) start a cache
+    line further apart than their size: planes a multiple of 4 KB apart share the L1 cache's
+    sets, and the transforms, which walk the 8 at once, ran 6x slower so."""
+    plane = rows * cols + _LINE
+    flat = np.empty(SIZE * plane, F32)
+    return np.lib.stride_tricks.as_strided(flat, (SIZE, rows, cols), (plane * 4, cols * 4, 4))
+
+
+def transform_in(buf: np.ndarray, cols: int, d: int) -> np.ndarray:
+    """V [8, tiles, C] = B^T of the tiles of the `cols` outputs of a context buffer buf [C,
+    (6 d + cols)] (contiguous columns; output t's taps are columns t + j d): tile-major, so
+    V[k].T is the product's input [C, tiles]."""
+    assert buf.dtype == F32 and buf.strides[1] == 4 and buf.shape[1] >= 6 * d + cols
+    runs, count, rows = plan(cols, d), tiles(cols, d), buf.shape[0]
+    v = planes(count, -(-rows // 8) * 8)
+    b_t = matrices()[2].astype(F32)
+    ld, width = buf.strides[0] // 4, 6 * d + cols
+    _call("in", buf, rows, ld, width, d, runs, len(runs), b_t, v, v.shape[2], v.strides[0] // 4)
+    return v[:, :, :rows]
+
+
+def transform_out(m: np.ndarray, cols: int, d: int, bias: np.ndarray) -> np.ndarray:
+    """y [C, cols] = bias + A^T of the products m [8, C, tiles] (`transform_in`'s tiles; planes
+    of C-contiguous rows, as `planes` makes them)."""
+    runs = plan(cols, d)
+    assert m.dtype == F32 and m.strides[1:] == (m.shape[2] * 4, 4) and m.shape[2] == tiles(cols, d)
+    y = np.empty((m.shape[1], cols), F32)
+    a_t = matrices()[0].astype(F32)
+    bias = np.ascontiguousarray(bias, dtype=F32).reshape(-1)
+    _call("out", m, m.shape[1], m.shape[2], m.strides[0] // 4, d, runs, len(runs), a_t, bias, y, cols)
+    return y

@@ -1,0 +1,89 @@
+"""Winograd's F(2, 7) for the decoder's dilated convolutions: the algorithm, the tiling, and our
+transforms' kernel against the direct convolution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kazeia_stream.engine import winograd
+
+needs_kernel = pytest.mark.skipif(not winograd.available(), reason="the transforms' kernel is not built here")
+
+
+def test_the_algorithm_is_the_correlation_of_seven_taps():
+    a_t, g, b_t = winograd.matrices()
+    rng = np.random.default_rng(0)
+    taps, x = rng.standard_normal(7), rng.standard_normal(8)
+    y = a_t @ ((g @ taps) * (b_t @ x))
+    np.testing.assert_allclose(y, [taps @ x[:7], taps @ x[1:]], rtol=1e-13)
+    assert a_t.shape == (2, 8) and g.shape == (8, 7) and b_t.shape == (8, 8)
+
+
+@pytest.mark.parametrize("cols", [1, 2, 3, 5, 17, 32, 33, 160])
+@pytest.mark.parametrize("d", [1, 2, 3, 9, 18, 27])
+def test_the_tiles_cover_every_output_once(cols, d):
+    outputs = []
+    for col, count, step, paired in winograd.plan(cols, d):
+        firsts = [col + i * step for i in range(count)]
+        outputs += firsts + ([t + d for t in firsts] if paired else [])
+    assert sorted(outputs) == list(range(cols))
+    pairs = sum(int(r[1]) for r in winograd.plan(cols, d) if r[3])
+    assert winograd.tiles(cols, d) == cols - pairs
+    if cols % (2 * d) == 0:  # a frame's columns in the decoder: only pairs
+        assert pairs == cols // 2
+
+
+def _direct(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int) -> np.ndarray:
+    """The causal convolution in float64: output t's taps are columns t + j d of buf."""
+    w, buf = w.astype(np.float64), buf.astype(np.float64)
+    return bias[:, None] + sum(w[:, :, j] @ buf[:, j * d : j * d + cols] for j in range(7))
+
+
+def _tiled(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int) -> np.ndarray:
+    """The convolution as the decoder runs it, each product a tile at a time (numpy's GEMMs
+    give a column other bits with other columns; the decoder's products do not)."""
+    u = winograd.kernel_weights(w)
+    v = winograd.transform_in(buf, cols, d)
+    m = winograd.planes(len(w), v.shape[1])
+    for k in range(winograd.SIZE):
+        for t in range(v.shape[1]):
+            m[k, :, t] = u[k] @ v[k, t]
+    return winograd.transform_out(m, cols, d, bias)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("c_in", "c_out", "cols", "d"),
+    [(16, 8, 32, 9), (5, 12, 33, 2), (96, 32, 640, 1), (24, 4, 7, 3), (9, 9, 1, 1)],
+)
+def test_the_transforms_and_products_are_the_direct_convolution(c_in, c_out, cols, d):
+    rng = np.random.default_rng(cols + d)
+    w = rng.standard_normal((c_out, c_in, 7)).astype(np.float32)
+    bias = rng.standard_normal(c_out).astype(np.float32)
+    buf = rng.standard_normal((c_in, 6 * d + cols + 3)).astype(np.float32)[:, : 6 * d + cols]  # rows apart
+    expected = _direct(w, bias, buf, cols, d)
+    y = _tiled(w, bias, buf, cols, d)
+    assert y.dtype == np.float32 and y.shape == (c_out, cols)
+    # float32's rounding, amplified by the transforms: a few times the direct products'
+    assert np.abs(y - expected).max() < 3e-6 * np.abs(expected).max()
+
+
+@needs_kernel
+def test_a_tile_s_numbers_do_not_depend_on_the_tiles_beside_it():
+    """A frame of the first block for one stream, and for three streams side by side (stream
+    index fastest, so d and the columns scale by 3): the same bits for each stream."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((16, 16, 7)).astype(np.float32)
+    bias = rng.standard_normal(16).astype(np.float32)
+    bufs = [rng.standard_normal((16, 6 * 9 + 32)).astype(np.float32) for _ in range(3)]
+    joint = np.stack(bufs, axis=2).reshape(16, -1)
+    together = _tiled(w, bias, joint, 32 * 3, 9 * 3).reshape(16, 32, 3)
+    for s, buf in enumerate(bufs):
+        alone = _tiled(w, bias, buf, 32, 9)
+        np.testing.assert_array_equal(together[:, :, s], alone)
+
+
+def test_kazeia_winograd_0_asks_for_the_direct_products(monkeypatch):
+    monkeypatch.setenv(winograd.ENV, "0")
+    assert not winograd.available()
