@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from decoders import PRODUCTS, tiny_decoder
 
-from kazeia_stream.engine import snake, winograd
+from kazeia_stream.engine import codec, snake, winograd
 from kazeia_stream.engine.codec import SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
@@ -23,10 +24,9 @@ def reference() -> dict[str, np.ndarray]:
         return {"codes": f["codes"], "audio": f["audio"]}
 
 
-@pytest.fixture(scope="module")
-def decoder(tiny_gguf) -> CodecDecoder:
-    _, mmproj = tiny_gguf("custom_voice")
-    return CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)
+@pytest.fixture(scope="module", params=PRODUCTS)
+def decoder(tiny_gguf, request) -> CodecDecoder:
+    return tiny_decoder(tiny_gguf("custom_voice")[1], request.param)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +49,19 @@ def test_matches_the_official_decoder_on_numpy_s_snake_too(decoder, reference, m
     np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-4)
 
 
-def test_matches_the_official_decoder_on_the_direct_products_too(tiny_gguf, reference, one_shot, monkeypatch):
-    """KAZEIA_WINOGRAD=0 (or no kernel for the transforms): each tap's product, as the official
-    decoder; Winograd's differs from it by float rounding."""
+def test_winograd_s_audio_is_the_direct_products_to_float_rounding(tiny_gguf, reference, monkeypatch):
+    """KAZEIA_WINOGRAD=0 (or no kernel for the transforms) keeps each tap's product, as the
+    official decoder; Winograd's differs from it by float rounding."""
+    mmproj = tiny_gguf("custom_voice")[1]
+    monkeypatch.setattr(codec, "WINOGRAD_CHANNELS", 1)
     monkeypatch.setenv(winograd.ENV, "0")
-    direct = CodecDecoder(GGUFFile(tiny_gguf("custom_voice")[1]), DECODER_THREADS)
+    direct = CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)
     assert {unit.conv1.method for block in direct.blocks for unit in block.units} == {"taps"}
-    audio = direct.decode(reference["codes"])
-    np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-4)
-    if winograd.available():
-        assert 0 < np.abs(audio - one_shot).max() < 2e-5
+    monkeypatch.delenv(winograd.ENV)
+    tiled = tiny_decoder(mmproj, "winograd")
+    assert {unit.conv1.method for block in tiled.blocks for unit in block.units} == {"winograd"}
+    difference = np.abs(direct.decode(reference["codes"]) - tiled.decode(reference["codes"])).max()
+    assert 0 < difference < 2e-5
 
 
 def _chunkings(total: int) -> dict[str, list[int]]:
@@ -240,9 +243,11 @@ def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
         for unit in block.units:
             assert unit.conv2.k == 1 and unit.conv2.method == "gathered"
             conv = unit.conv1
-            assert conv.method == ("winograd" if winograd.available() else "taps")
-            assert len(conv.products) == (winograd.SIZE if winograd.available() else conv.k)
-            assert conv.method == "winograd" or rate[id(conv.products[0])] > SPLIT_COLUMNS
+            if conv.method == "winograd":
+                assert len(conv.products) == winograd.SIZE
+            else:
+                assert conv.method == "taps" and len(conv.products) == conv.k
+                assert rate[id(conv.products[0])] > SPLIT_COLUMNS
             assert not any(_mapped(m.array) for m in conv.products)
     assert not any(_mapped(block.up.w.array) for block in decoder.blocks)
 

@@ -8,16 +8,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from decoders import PRODUCTS, tiny_decoder
 
 from kazeia_stream.engine.codec import CodecDecoder, ContextBuffer, DecoderState
-from kazeia_stream.engine.threads import DECODER_THREADS
-from kazeia_stream.model.gguf_file import GGUFFile
 
 
-@pytest.fixture(scope="module")
-def decoder(tiny_gguf) -> CodecDecoder:
-    _, mmproj = tiny_gguf("custom_voice")
-    return CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)
+@pytest.fixture(scope="module", params=PRODUCTS)
+def decoder(tiny_gguf, request) -> CodecDecoder:
+    return tiny_decoder(tiny_gguf("custom_voice")[1], request.param)
 
 
 @pytest.fixture(scope="module")
