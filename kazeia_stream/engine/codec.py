@@ -323,7 +323,7 @@ class CausalConv:
     over X [C_in * k, n * S] gathered from the context buffer of S streams: row c * k + j is
     channel c shifted by j * d time steps (im2col). Once `split`, y = b + sum_j W_j X_j instead:
     one product per tap, on a copy of its weight, reading the shifted buffer in place (for many
-    columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tiled`, in Winograd's F(2,
+    columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tile`d, in Winograd's F(2,
     7) (`winograd`): 8 products of half the columns each, between two transforms of ours."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
@@ -332,7 +332,7 @@ class CausalConv:
         self.products = [Matrix(weight.reshape(c_out, c_in * k))]  # W, the W_j, or the U_k
         self.bias = bias.astype(F32)[:, None]
         self.context, self.c_in = (k - 1) * dilation, c_in
-        self.method = "gathered"  # "taps" once `split`, "winograd" once `tiled`
+        self.method = "gathered"  # "taps" once `split`, "winograd" once `tile`d
 
     def split(self) -> None:
         """Multiply tap by tap from now on (the weight in place is let go)."""

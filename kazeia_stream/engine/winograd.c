@@ -15,7 +15,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #define AVX2 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
@@ -69,11 +68,11 @@ AVX2 static void columns8(const float *x, int64_t ld, int64_t n, float *out) {
 /* The input transform, 8 channels a vector: x [rows, ld] (a context buffer's rows, `width`
    columns read), v [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes `plane` floats
    apart): tile-major, as the GEMMs take it transposed. Each group of 8 rows is first turned
-   into columns of 8 (a tile's inputs are then 8 vector loads, whatever d). */
+   into columns of 8, in `cols` (8 * width floats; a tile's inputs are then 8 vector loads,
+   whatever d). */
 AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t width, int64_t d,
                               const struct run *runs, int64_t n_runs, const float *bt, float *v,
-                              int64_t ldv, int64_t plane) {
-    float *cols = aligned_alloc(32, (size_t)(width + 8) * 8 * sizeof(float));
+                              int64_t ldv, int64_t plane, float *cols) {
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
         int64_t n = rows - r0 < 8 ? rows - r0 : 8, c = 0;
         for (; c + 8 <= width; c += 8) columns8(x + r0 * ld + c, ld, n, cols + 8 * c);
@@ -84,8 +83,8 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
             for (int64_t i = 0; i < run->count; i++, vt += ldv) {
                 const float *t = cols + 8 * (run->col + i * run->step);
                 __m256 in[P];
-                for (int u = 0; u < P - 1; u++) in[u] = _mm256_load_ps(t + 8 * u * d);
-                in[P - 1] = run->paired ? _mm256_load_ps(t + 8 * (P - 1) * d) : _mm256_setzero_ps();
+                for (int u = 0; u < P - 1; u++) in[u] = _mm256_loadu_ps(t + 8 * u * d);
+                in[P - 1] = run->paired ? _mm256_loadu_ps(t + 8 * (P - 1) * d) : _mm256_setzero_ps();
                 for (int k = 0; k < P; k++) {
                     __m256 acc = _mm256_mul_ps(_mm256_set1_ps(bt[k * P]), in[0]);
                     for (int u = 1; u < P; u++) acc = _mm256_fmadd_ps(_mm256_set1_ps(bt[k * P + u]), in[u], acc);
@@ -94,7 +93,6 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
             }
         }
     }
-    free(cols);
 }
 
 /* The output transform: m [P][rows][tiles] (the products; planes `plane` floats apart), y

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import native
 
-ENV = "KAZEIA_WINOGRAD"  # "0": the direct products (the official decoder's to 1e-6, not 3e-6)
+ENV = "KAZEIA_WINOGRAD"  # "0": the direct products, each tap's, as the official decoder
 TAPS = 7
 POINTS = (Fraction(0), Fraction(1), Fraction(-1), Fraction(2), Fraction(-2), Fraction(1, 2), Fraction(-1, 2))
 SIZE = TAPS + 1  # a tile's inputs: len(POINTS) and infinity
@@ -83,6 +83,13 @@ def kernel_weights(w: np.ndarray) -> np.ndarray:
 
 
 @cache
+def _transforms() -> tuple[np.ndarray, np.ndarray]:
+    """A^T and B^T in float32, as the transforms' kernel takes them."""
+    a_t, _, b_t = matrices()
+    return a_t.astype(F32), b_t.astype(F32)
+
+
+@cache
 def plan(cols: int, d: int) -> np.ndarray:
     """The tiles of a call of `cols` columns with a dilation of d columns, as winograd.c's
     runs [n, 4]: blocks of 2 d columns (d pairs each, one run with step 2 for d = 1), then for
@@ -104,7 +111,7 @@ def tiles(cols: int, d: int) -> int:
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = {  # winograd.c's parameters
-    "in": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I],
+    "in": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _P],
     "out": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I],
 }
 
@@ -136,9 +143,23 @@ def transform_in(buf: np.ndarray, cols: int, d: int) -> np.ndarray:
     assert buf.dtype == F32 and buf.strides[1] == 4 and buf.shape[1] >= 6 * d + cols
     runs, count, rows = plan(cols, d), tiles(cols, d), buf.shape[0]
     v = planes(count, -(-rows // 8) * 8)
-    b_t = matrices()[2].astype(F32)
     ld, width = buf.strides[0] // 4, 6 * d + cols
-    _call("in", buf, rows, ld, width, d, runs, len(runs), b_t, v, v.shape[2], v.strides[0] // 4)
+    scratch = np.empty(8 * width, F32)
+    _call(
+        "in",
+        buf,
+        rows,
+        ld,
+        width,
+        d,
+        runs,
+        len(runs),
+        _transforms()[1],
+        v,
+        v.shape[2],
+        v.strides[0] // 4,
+        scratch,
+    )
     return v[:, :, :rows]
 
 
@@ -148,7 +169,19 @@ def transform_out(m: np.ndarray, cols: int, d: int, bias: np.ndarray) -> np.ndar
     runs = plan(cols, d)
     assert m.dtype == F32 and m.strides[1:] == (m.shape[2] * 4, 4) and m.shape[2] == tiles(cols, d)
     y = np.empty((m.shape[1], cols), F32)
-    a_t = matrices()[0].astype(F32)
     bias = np.ascontiguousarray(bias, dtype=F32).reshape(-1)
-    _call("out", m, m.shape[1], m.shape[2], m.strides[0] // 4, d, runs, len(runs), a_t, bias, y, cols)
+    _call(
+        "out",
+        m,
+        m.shape[1],
+        m.shape[2],
+        m.strides[0] // 4,
+        d,
+        runs,
+        len(runs),
+        _transforms()[0],
+        bias,
+        y,
+        cols,
+    )
     return y
