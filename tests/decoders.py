@@ -1,4 +1,4 @@
-"""The tiny codec decoder, also with its dilated convs in Winograd's F(2, 7) as the real one's."""
+"""The tiny codec decoder both ways: its dilated convs in Winograd's F(2, 7), or direct."""
 
 from __future__ import annotations
 
@@ -6,20 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from kazeia_stream.engine import codec, winograd
+from kazeia_stream.engine import winograd
+from kazeia_stream.engine.codec import CodecDecoder
 from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
 
-PRODUCTS = ("direct", "winograd")
+PRODUCTS = ("winograd", "direct")
 
 
-def tiny_decoder(mmproj: Path, products: str) -> codec.CodecDecoder:
-    """The decoder of a tiny mmproj: "direct", as it runs (its few channels multiply directly),
-    or "winograd": every residual unit's dilated conv tiled (`CausalConv.tile`), as the real
-    decoder's wide ones (skipped where the transforms' kernel does not run)."""
+def tiny_decoder(mmproj: Path, products: str) -> CodecDecoder:
+    """The decoder of a tiny mmproj: "winograd", as it runs where the transforms' kernel does
+    (skipped elsewhere), or "direct", each tap's product (`KAZEIA_WINOGRAD=0`)."""
     if products == "winograd" and not winograd.available():
         pytest.skip("the transforms' kernel is not built here")
     with pytest.MonkeyPatch.context() as mp:
-        if products == "winograd":
-            mp.setattr(codec, "WINOGRAD_CHANNELS", 1)
-        return codec.CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)
+        if products == "direct":
+            mp.setenv(winograd.ENV, "0")
+        return CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from decoders import PRODUCTS, tiny_decoder
 
-from kazeia_stream.engine import codec, snake, winograd
+from kazeia_stream.engine import snake, winograd
 from kazeia_stream.engine.codec import SPLIT_COLUMNS, CodecDecoder
-from kazeia_stream.engine.threads import DECODER_THREADS
 from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -49,15 +48,12 @@ def test_matches_the_official_decoder_on_numpy_s_snake_too(decoder, reference, m
     np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-4)
 
 
-def test_winograd_s_audio_is_the_direct_products_to_float_rounding(tiny_gguf, reference, monkeypatch):
+def test_winograd_s_audio_is_the_direct_products_to_float_rounding(tiny_gguf, reference):
     """KAZEIA_WINOGRAD=0 (or no kernel for the transforms) keeps each tap's product, as the
     official decoder; Winograd's differs from it by float rounding."""
     mmproj = tiny_gguf("custom_voice")[1]
-    monkeypatch.setattr(codec, "WINOGRAD_CHANNELS", 1)
-    monkeypatch.setenv(winograd.ENV, "0")
-    direct = CodecDecoder(GGUFFile(mmproj), DECODER_THREADS)
+    direct = tiny_decoder(mmproj, "direct")
     assert {unit.conv1.method for block in direct.blocks for unit in block.units} == {"taps"}
-    monkeypatch.delenv(winograd.ENV)
     tiled = tiny_decoder(mmproj, "winograd")
     assert {unit.conv1.method for block in tiled.blocks for unit in block.units} == {"winograd"}
     difference = np.abs(direct.decode(reference["codes"]) - tiled.decode(reference["codes"])).max()

@@ -34,6 +34,26 @@ def test_the_tiles_cover_every_output_once(cols, d):
         assert pairs == cols // 2
 
 
+@pytest.mark.parametrize(("cols", "d"), [(1920, 1), (1920, 3), (640, 9), (600, 27), (257, 1), (33, 2)])
+def test_chunks_take_the_plan_s_tiles_in_order(cols, d):
+    parts = winograd.chunks(cols, d)
+    tiles = [
+        (c.start + col + i * step, paired) for c in parts for col, n, step, paired in c.runs for i in range(n)
+    ]
+    planned = [(col + i * step, paired) for col, n, step, paired in winograd.plan(cols, d) for i in range(n)]
+    assert tiles == planned
+    sizes = [c.tiles for c in parts]
+    assert max(sizes) <= winograd.CHUNK_TILES and max(sizes) - min(sizes) <= len(sizes)
+    for c in parts:  # the columns each chunk reads: its tiles' inputs, within the buffer
+        reads = [
+            c.start + col + i * step + u * d
+            for col, n, step, paired in c.runs
+            for i in range(n)
+            for u in range(7 + paired)
+        ]
+        assert min(reads) == c.start and max(reads) == c.start + c.width - 1 <= 6 * d + cols - 1
+
+
 def _direct(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int) -> np.ndarray:
     """The causal convolution in float64: output t's taps are columns t + j d of buf."""
     w, buf = w.astype(np.float64), buf.astype(np.float64)
@@ -44,18 +64,21 @@ def _tiled(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int) 
     """The convolution as the decoder runs it, each product a tile at a time (numpy's GEMMs
     give a column other bits with other columns; the decoder's products do not)."""
     u = winograd.kernel_weights(w)
-    v = winograd.transform_in(buf, cols, d)
-    m = winograd.planes(len(w), v.shape[1])
-    for k in range(winograd.SIZE):
-        for t in range(v.shape[1]):
-            m[k, :, t] = u[k] @ v[k, t]
-    return winograd.transform_out(m, cols, d, bias)
+    y = np.full((len(w), cols), np.nan, np.float32)
+    for chunk in winograd.chunks(cols, d):
+        v = winograd.transform_in(buf, chunk, d)
+        m = winograd.planes(len(w), chunk.tiles)
+        for k in range(winograd.SIZE):
+            for t in range(chunk.tiles):
+                m[k, :, t] = u[k] @ v[k, t]
+        winograd.transform_out(m, chunk, d, bias, y)
+    return y
 
 
 @needs_kernel
 @pytest.mark.parametrize(
     ("c_in", "c_out", "cols", "d"),
-    [(16, 8, 32, 9), (5, 12, 33, 2), (96, 32, 640, 1), (24, 4, 7, 3), (9, 9, 1, 1)],
+    [(16, 8, 32, 9), (5, 12, 33, 2), (96, 32, 640, 1), (8, 8, 1920, 3), (24, 4, 7, 3), (9, 9, 1, 1)],
 )
 def test_the_transforms_and_products_are_the_direct_convolution(c_in, c_out, cols, d):
     rng = np.random.default_rng(cols + d)
@@ -64,7 +87,7 @@ def test_the_transforms_and_products_are_the_direct_convolution(c_in, c_out, col
     buf = rng.standard_normal((c_in, 6 * d + cols + 3)).astype(np.float32)[:, : 6 * d + cols]  # rows apart
     expected = _direct(w, bias, buf, cols, d)
     y = _tiled(w, bias, buf, cols, d)
-    assert y.dtype == np.float32 and y.shape == (c_out, cols)
+    assert y.dtype == np.float32 and y.shape == (c_out, cols) and not np.isnan(y).any()
     # float32's rounding, amplified by the transforms: a few times the direct products'
     assert np.abs(y - expected).max() < 3e-6 * np.abs(expected).max()
 

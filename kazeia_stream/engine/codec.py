@@ -96,12 +96,6 @@ GGML_COLUMNS = 64
 # the first block's k = 7 convs (17 MB, 32 columns) 4.9 against 4.1; in the later blocks
 # (hundreds of columns, small weights) the gathering costs up to 0.3 ms a conv.
 SPLIT_COLUMNS = 16
-# The residual units' dilated convs of at least this many output channels multiply in
-# Winograd's F(2, 7) (`CausalConv.tile`): it saves 3/7 of a conv's multiply-adds, c_out * c_in
-# a column, for transforms and a traffic of c_in + c_out. Per frame in a decode (the random
-# 0.6B, Zen 1, six alternated rounds): the first block (768 channels) 10-14 ms faster, the
-# third (192) ~16, the last (96) 3-18 ms slower than its direct products.
-WINOGRAD_CHANNELS = 128
 # Floats of padding after each column of a `by_column` product's input (a cache line).
 _ROW_PAD = 16
 
@@ -350,9 +344,13 @@ class CausalConv:
         self.products = [Matrix(u) for u in winograd.kernel_weights(weight)]
         self.method = "winograd"
 
-    def columns(self, n: int) -> int:
-        """The columns each product multiplies for n columns of input."""
-        return winograd.tiles(n, self.dilation) if self.method == "winograd" else n
+    def calls(self, n: int) -> Iterator[tuple[Matrix, int]]:
+        """The products of a call on n columns, in order: (weight, columns it multiplies)."""
+        if self.method != "winograd":
+            yield from ((m, n) for m in self.products)
+            return
+        for chunk in winograd.chunks(n, self.dilation):
+            yield from ((m, chunk.tiles) for m in self.products)
 
     def new_state(self) -> ContextBuffer:
         return ContextBuffer(self.context, self.c_in)
@@ -361,12 +359,15 @@ class CausalConv:
         """The output for the n columns written into `state.input(n)`."""
         buf, d, products = state.buf, self.dilation * state.streams, self.products
         if self.method == "winograd":
-            v = winograd.transform_in(buf, n, d)
-            m = winograd.planes(len(self.bias), v.shape[1])
-            for product, v_k, m_k in zip(products, v, m):
-                product(v_k.T, out=m_k)
+            y = np.empty((len(self.bias), n), F32)
+            for chunk in winograd.chunks(n, d):
+                v = winograd.transform_in(buf, chunk, d)
+                m = winograd.planes(len(self.bias), chunk.tiles)
+                for product, v_k, m_k in zip(products, v, m):
+                    product(v_k.T, out=m_k)
+                winograd.transform_out(m, chunk, d, self.bias, y)
             state.advance(n)
-            return winograd.transform_out(m, n, d, self.bias)
+            return y
         if self.k == 1:
             y = products[0](buf[:, :n])
         elif self.method == "taps":
@@ -820,8 +821,8 @@ class CodecDecoder:
         columns_of = {id(matrix): columns for matrix, columns in self.products()}
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
-            if conv in dilated and len(conv.bias) >= WINOGRAD_CHANNELS:
-                conv.tile()  # most of the multiply-adds: in Winograd's F(2, 7) where it runs
+            if conv in dilated:  # most of the multiply-adds: in Winograd's F(2, 7) where it runs
+                conv.tile()
             if conv.method == "gathered" and columns_of[id(conv.products[0])] > SPLIT_COLUMNS:
                 conv.split()
         for matrix, columns in self.products():
@@ -946,12 +947,13 @@ class CodecDecoder:
 
     def products(self) -> Iterator[tuple[Matrix, int]]:
         """Every matrix product of a frame's decode, in order: (its weight, its columns per
-        frame). Depthwise convolutions, attention and activations are left out: they are well
-        under 1% of the multiply-adds."""
+        frame; a tiled conv's weights once per chunk of tiles, with its columns). Depthwise
+        convolutions, attention and activations are left out: they are well under 1% of the
+        multiply-adds."""
         q, tfm = self.quantizer, self.transformer
         yield q.first_out.w, 1
         yield q.rest_out.w, 1
-        yield from ((m, self.pre_conv.columns(1)) for m in self.pre_conv.products)
+        yield from self.pre_conv.calls(1)
         yield tfm.in_proj.w, 1
         for layer in tfm.layers:
             yield from ((m.w, 1) for m in (layer.qkv, layer.out, layer.gate_up, layer.down))
@@ -962,13 +964,13 @@ class CodecDecoder:
             rate *= up.s
             yield convnext.pw1.w, rate
             yield convnext.pw2.w, rate
-        yield from ((m, self.entry.columns(rate)) for m in self.entry.products)
+        yield from self.entry.calls(rate)
         for block in self.blocks:
             yield block.up.w, rate
             rate *= block.up.s
             for conv in (c for unit in block.units for c in (unit.conv1, unit.conv2)):
-                yield from ((m, conv.columns(rate)) for m in conv.products)
-        yield from ((m, self.post_conv.columns(rate)) for m in self.post_conv.products)
+                yield from conv.calls(rate)
+        yield from self.post_conv.calls(rate)
 
     def _convs(self) -> Iterator[CausalConv]:
         yield from (self.pre_conv, self.entry, self.post_conv)
