@@ -10,14 +10,15 @@ blocks of 2 d columns from the first column of a call, then pairs and single out
 rest; the decoder calls a layer with one frame's columns at a time, so every column of an
 utterance is always in the same tile, and chunks of any sizes give the samples of the
 one-shot decode, bit for bit. The numbers differ from the direct convolution's by float
-rounding, amplified by the transforms: 2e-6 of the largest output on random weights against
-3e-7 for the direct one (the interpolation points 0, +-1, +-2, +-1/2 and infinity are the
-well-conditioned ones).
+rounding, amplified by the transforms: up to 3e-6 of the largest output on random weights
+against 3e-7 for the direct one (tests/test_winograd.py; the interpolation points 0, +-1, +-2,
++-1/2 and infinity are the well-conditioned ones).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,14 +86,14 @@ def kernel_weights(w: np.ndarray) -> np.ndarray:
     G[k, j] w_j (G's entries are powers of 2: only the sums round). One product at load,
     5 ms for the largest (in float64, 100 ms, for a last bit)."""
     c_out, c_in, taps = w.shape
-    return (matrices()[1].astype(F32) @ w.reshape(c_out * c_in, taps).T).reshape(SIZE, c_out, c_in)
+    return (_float32()[1] @ w.reshape(c_out * c_in, taps).T).reshape(SIZE, c_out, c_in)
 
 
 @cache
-def _transforms() -> tuple[np.ndarray, np.ndarray]:
-    """A^T and B^T in float32, as the transforms' kernel takes them."""
-    a_t, _, b_t = matrices()
-    return a_t.astype(F32), b_t.astype(F32)
+def _float32() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`matrices()` in float32, as the weights' product and the transforms' kernel take them."""
+    a_t, g, b_t = matrices()
+    return a_t.astype(F32), g.astype(F32), b_t.astype(F32)
 
 
 @cache
@@ -130,7 +131,7 @@ class Chunk:
 def chunks(cols: int, d: int) -> tuple[Chunk, ...]:
     """`plan(cols, d)` in chunks of at most CHUNK_TILES tiles, as even as they come."""
     runs, count = plan(cols, d), tiles(cols, d)
-    size = -(-count // -(-count // CHUNK_TILES))
+    size = math.ceil(count / math.ceil(count / CHUNK_TILES))
     pieces: list[list[tuple[int, int, int, int]]] = [[]]
     room = size
     for col, n, step, paired in runs.tolist():
@@ -172,9 +173,7 @@ def planes(rows: int, cols: int) -> np.ndarray:
     """An uninitialized [8, rows, cols] float32 whose planes (each C-contiguous) start a cache
     line further apart than their size: planes a multiple of 4 KB apart share the L1 cache's
     sets, and the transforms, which walk the 8 at once, ran 6x slower so."""
-    plane = rows * cols + _LINE
-    flat = np.empty(SIZE * plane, F32)
-    return np.lib.stride_tricks.as_strided(flat, (SIZE, rows, cols), (plane * 4, cols * 4, 4))
+    return np.empty((SIZE, rows * cols + _LINE), F32)[:, : rows * cols].reshape(SIZE, rows, cols)
 
 
 def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
@@ -185,7 +184,7 @@ def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
     rows, ld = buf.shape[0], buf.strides[0] // 4
     v = planes(chunk.tiles, -(-rows // 8) * 8)
     scratch = np.empty(8 * chunk.width, F32)
-    b_t, ldv, plane = _transforms()[1], v.shape[2], v.strides[0] // 4
+    b_t, ldv, plane = _float32()[2], v.shape[2], v.strides[0] // 4
     x = buf[:, chunk.start :]
     _call("in", x, rows, ld, chunk.width, d, chunk.runs, len(chunk.runs), b_t, v, ldv, plane, scratch)
     return v[:, :, :rows]
@@ -198,5 +197,5 @@ def transform_out(m: np.ndarray, chunk: Chunk, d: int, bias: np.ndarray, y: np.n
     assert y.dtype == F32 and y.flags.c_contiguous
     bias = np.ascontiguousarray(bias, dtype=F32).reshape(-1)
     rows, plane = m.shape[1], m.strides[0] // 4
-    a_t, out = _transforms()[0], y[:, chunk.start :]
+    a_t, out = _float32()[0], y[:, chunk.start :]
     _call("out", m, rows, chunk.tiles, plane, d, chunk.runs, len(chunk.runs), a_t, bias, out, y.shape[1])
