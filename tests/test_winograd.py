@@ -20,6 +20,20 @@ def test_the_algorithm_is_the_correlation_of_seven_taps():
     assert a_t.shape == (2, 8) and g.shape == (8, 7) and b_t.shape == (8, 8)
 
 
+def test_the_matrices_have_the_symmetry_the_kernel_uses():
+    """winograd.c takes B^T's row 0 on the even inputs only, row 7 on the odd ones, rows 1-6 in
+    pairs E + O and E - O (E on inputs 2, 4, 6, O on 1, 3, 5), and A^T's rows on the sum and
+    the difference of each pair of products: the points come in pairs +p and -p."""
+    a_t, _, b_t = winograd.matrices()
+    assert not b_t[0, 1::2].any() and not b_t[7, ::2].any()
+    for k in (1, 3, 5):
+        assert not b_t[k : k + 2, [0, 7]].any()
+        np.testing.assert_array_equal(b_t[k + 1, ::2], b_t[k, ::2])
+        np.testing.assert_array_equal(b_t[k + 1, 1::2], -b_t[k, 1::2])
+        np.testing.assert_array_equal(a_t[:, k + 1], a_t[:, k] * [1, -1])
+    assert a_t[0, 7] == 0 and a_t[1, 0] == 0
+
+
 @pytest.mark.parametrize("cols", [1, 2, 3, 5, 17, 32, 33, 160])
 @pytest.mark.parametrize("d", [1, 2, 3, 9, 18, 27])
 def test_the_tiles_cover_every_output_once(cols, d):
@@ -67,10 +81,10 @@ def _tiled(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int) 
     y = np.full((len(w), cols), np.nan, np.float32)
     for chunk in winograd.chunks(cols, d):
         v = winograd.transform_in(buf, chunk, d)
-        m = winograd.planes(len(w), chunk.tiles)
+        m = winograd.planes(chunk.tiles, len(w))
         for k in range(winograd.SIZE):
             for t in range(chunk.tiles):
-                m[k, :, t] = u[k] @ v[k, t]
+                m[k, t] = u[k] @ v[k, t]
         winograd.transform_out(m, chunk, d, bias, y)
     return y
 

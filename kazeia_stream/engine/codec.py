@@ -362,9 +362,9 @@ class CausalConv:
             y = np.empty((len(self.bias), n), F32)
             for chunk in winograd.chunks(n, d):
                 v = winograd.transform_in(buf, chunk, d)
-                m = winograd.planes(len(self.bias), chunk.tiles)
+                m = winograd.planes(chunk.tiles, len(self.bias))
                 for product, v_k, m_k in zip(products, v, m):
-                    product(v_k.T, out=m_k)
+                    product(v_k.T, out=m_k.T)  # tile-major, as the transforms take them
                 winograd.transform_out(m, chunk, d, self.bias, y)
             state.advance(n)
             return y

@@ -2,22 +2,24 @@
    (winograd.py has the algorithm and its matrices; codec.py's CausalConv runs it): a tile is
    the outputs at columns t and t + d, made from the 8 inputs at t + u d, u = 0..7, of the
    layer's context buffer (the 8th is 0 for a tile of one output). The 8 products between the
-   transforms are the GEMMs.
+   transforms are the GEMMs, tile-major: V_k [tiles, C_in] in, M_k = V_k U_k^T [tiles, C_out]
+   out.
 
    Tiles come in runs (`struct run`): `count` tiles from column `col`, `step` apart (1, or 2
    for a dilation of 1: tiles at t, t + 2, ...), of one output or two. A tile's numbers depend
    on its inputs only, whatever tiles come with it (the decoder's streams rely on it): every
-   element is one chain of multiply-adds in a fixed order. The input transform runs 8 channels
-   a vector on columns transposed first (a tile's inputs are then 8 loads whatever d: along the
-   columns, the runs of a dilation of 3 are 3 tiles long); the output transform is the
-   compiler's to vectorize. One variant, AVX2 with FMA. */
+   element is made in a fixed order. Both transforms run 8 channels a vector, between 8x8
+   transposes: the input's columns are transposed first (a tile's inputs are then 8 loads
+   whatever d: along the columns, the runs of a dilation of 3 are 3 tiles long), the output's
+   back at the end. They use the matrices' symmetry, which winograd.py checks: the points come
+   in pairs +p and -p, so B^T's rows 1 to 6 are E + O and E - O of a part E of the even inputs
+   and a part O of the odd ones (row 0 is even inputs only, row 7 odd ones), and A^T's two rows
+   take the sum and the difference of the products of each pair. One variant, AVX2 with FMA. */
 
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 
 #define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
 #define P 8 /* points: a tile's inputs, and its products */
 
 struct run {
@@ -30,25 +32,18 @@ int kz_winograd_level(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 
-/* y[col + i step] = bias + sum_k at[0][k] m[k][tile], and y[... + d] with at[1] for a pair. */
-INLINE void out_run(const float *m, int64_t d, int64_t count, const int64_t step, const int paired,
-                    const float *at, float bias, float *y, int64_t plane) {
-    for (int64_t i = 0; i < count; i++) {
-        float a = bias, b = bias;
-        for (int k = 0; k < P; k++) {
-            a = fmaf(at[k], m[k * plane + i], a);
-            if (paired) b = fmaf(at[P + k], m[k * plane + i], b);
-        }
-        y[i * step] = a;
-        if (paired) y[i * step + d] = b;
-    }
+/* int32 -1 in lanes 0 .. n - 1, 0 in the others. */
+AVX2 static inline __m256i lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* Columns c0..c0 + 7 of rows r0..r0 + 7 of x (rows beyond `rows` as zeros) as 8 vectors of
-   the 8 rows, one per column, stored at out, out + 8, ... (the classic 8x8 transpose). */
-AVX2 static void columns8(const float *x, int64_t ld, int64_t n, float *out) {
+/* The 8x8 transpose: rows 0..7 of src, 8 floats each, `ld` apart (those from `n_in` on as
+   zeros), stored as the rows of dst, `ldd` apart: dst row j is src's column j, for j < n_out,
+   in the lanes that `mask` sets. */
+AVX2 static void transpose8(const float *src, int64_t ld, int64_t n_in, float *dst, int64_t ldd,
+                            int64_t n_out, __m256i mask) {
     __m256 r[8], t[8], s[8];
-    for (int j = 0; j < 8; j++) r[j] = j < n ? _mm256_loadu_ps(x + j * ld) : _mm256_setzero_ps();
+    for (int j = 0; j < 8; j++) r[j] = j < n_in ? _mm256_loadu_ps(src + j * ld) : _mm256_setzero_ps();
     for (int j = 0; j < 8; j += 2) {
         t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
         t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
@@ -59,23 +54,27 @@ AVX2 static void columns8(const float *x, int64_t ld, int64_t n, float *out) {
         s[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
         s[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
     }
-    for (int j = 0; j < 4; j++) {
-        _mm256_storeu_ps(out + 8 * j, _mm256_permute2f128_ps(s[j], s[j + 4], 0x20));
-        _mm256_storeu_ps(out + 8 * (j + 4), _mm256_permute2f128_ps(s[j], s[j + 4], 0x31));
+    const int whole = _mm256_movemask_ps(_mm256_castsi256_ps(mask)) == 0xff;
+    for (int j = 0; j < n_out; j++) {
+        __m256 column = _mm256_permute2f128_ps(s[j % 4], s[j % 4 + 4], j < 4 ? 0x20 : 0x31);
+        if (whole) _mm256_storeu_ps(dst + j * ldd, column);
+        else _mm256_maskstore_ps(dst + j * ldd, mask, column); /* microcoded on Zen: only at edges */
     }
 }
 
-/* The input transform, 8 channels a vector: x [rows, ld] (a context buffer's rows, `width`
-   columns read), v [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes `plane` floats
-   apart): tile-major, as the GEMMs take it transposed. Each group of 8 rows is first turned
-   into columns of 8, in `cols` (8 * width floats; a tile's inputs are then 8 vector loads,
-   whatever d). */
+/* The input transform: x [rows, ld] (a context buffer's rows, `width` columns read), v
+   [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes `plane` floats apart). Each
+   group of 8 rows is first turned into columns of 8, in `cols` (8 * width floats). */
 AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t width, int64_t d,
                               const struct run *runs, int64_t n_runs, const float *bt, float *v,
                               int64_t ldv, int64_t plane, float *cols) {
+    const __m256i all = _mm256_set1_epi32(-1);
+    __m256 e[P][P]; /* B^T's entries, broadcast */
+    for (int k = 0; k < P; k++)
+        for (int u = 0; u < P; u++) e[k][u] = _mm256_set1_ps(bt[k * P + u]);
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
         int64_t n = rows - r0 < 8 ? rows - r0 : 8, c = 0;
-        for (; c + 8 <= width; c += 8) columns8(x + r0 * ld + c, ld, n, cols + 8 * c);
+        for (; c + 8 <= width; c += 8) transpose8(x + r0 * ld + c, ld, n, cols + 8 * c, 8, 8, all);
         for (; c < width; c++)
             for (int j = 0; j < 8; j++) cols[8 * c + j] = j < n ? x[(r0 + j) * ld + c] : 0.0f;
         float *vt = v + r0;
@@ -85,29 +84,67 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
                 __m256 in[P];
                 for (int u = 0; u < P - 1; u++) in[u] = _mm256_loadu_ps(t + 8 * u * d);
                 in[P - 1] = run->paired ? _mm256_loadu_ps(t + 8 * (P - 1) * d) : _mm256_setzero_ps();
-                for (int k = 0; k < P; k++) {
-                    __m256 acc = _mm256_mul_ps(_mm256_set1_ps(bt[k * P]), in[0]);
-                    for (int u = 1; u < P; u++) acc = _mm256_fmadd_ps(_mm256_set1_ps(bt[k * P + u]), in[u], acc);
-                    _mm256_storeu_ps(vt + k * plane, acc);
+                __m256 first = _mm256_mul_ps(e[0][0], in[0]), last = _mm256_mul_ps(e[7][7], in[7]);
+                for (int u = 2; u < P; u += 2) {
+                    first = _mm256_fmadd_ps(e[0][u], in[u], first);
+                    last = _mm256_fmadd_ps(e[7][u - 1], in[u - 1], last);
+                }
+                _mm256_storeu_ps(vt, first);
+                _mm256_storeu_ps(vt + 7 * plane, last);
+                for (int k = 1; k < P - 1; k += 2) {
+                    __m256 even = _mm256_mul_ps(e[k][2], in[2]), odd = _mm256_mul_ps(e[k][1], in[1]);
+                    for (int u = 4; u < P; u += 2) {
+                        even = _mm256_fmadd_ps(e[k][u], in[u], even);
+                        odd = _mm256_fmadd_ps(e[k][u - 1], in[u - 1], odd);
+                    }
+                    _mm256_storeu_ps(vt + k * plane, _mm256_add_ps(even, odd));
+                    _mm256_storeu_ps(vt + (k + 1) * plane, _mm256_sub_ps(even, odd));
                 }
             }
         }
     }
 }
 
-/* The output transform: m [P][rows][tiles] (the products; planes `plane` floats apart), y
-   [rows, ld] the layer's output. */
-AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t tiles, int64_t plane,
-                               int64_t d, const struct run *runs, int64_t n_runs, const float *at,
-                               const float *bias, float *y, int64_t ld) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *mr = m + r * tiles;
-        for (const struct run *run = runs; run < runs + n_runs; mr += run->count, run++) {
-            float *t = y + r * ld + run->col;
-            if (run->step == 1 && run->paired) out_run(mr, d, run->count, 1, 1, at, bias[r], t, plane);
-            else if (run->step == 1) out_run(mr, d, run->count, 1, 0, at, bias[r], t, plane);
-            else if (run->paired) out_run(mr, d, run->count, 2, 1, at, bias[r], t, plane);
-            else out_run(mr, d, run->count, 2, 0, at, bias[r], t, plane);
+/* The output transform: m [P][tiles][ldm] (the products, ldm a multiple of 8, at least rows;
+   planes `plane` floats apart), y [rows, ld] the layer's output, written at the chunk's
+   outputs only (columns from y on; `width` the columns its inputs span). `cols`: 8 * (width + 8) floats for the outputs'
+   columns of 8, then width + 8 int32, -1 at the columns the chunk writes. */
+AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_t plane, int64_t d,
+                               const struct run *runs, int64_t n_runs, const float *at,
+                               const float *bias, float *y, int64_t ld, int64_t width, float *cols) {
+    int32_t *written = (int32_t *)(cols + 8 * (width + 8));
+    int64_t end = 0; /* the columns up to the chunk's last output */
+    for (int64_t c = 0; c < width; c++) written[c] = 0;
+    for (const struct run *run = runs; run < runs + n_runs; run++)
+        for (int64_t i = 0; i < run->count; i++) {
+            int64_t t = run->col + i * run->step + (run->paired ? d : 0);
+            written[t] = written[t - (run->paired ? d : 0)] = -1;
+            end = t + 1 > end ? t + 1 : end;
+        }
+    __m256 a0 = _mm256_set1_ps(at[0]), a7 = _mm256_set1_ps(at[P + 7]), a[3], b[3];
+    for (int p = 0; p < 3; p++) a[p] = _mm256_set1_ps(at[2 * p + 1]), b[p] = _mm256_set1_ps(at[P + 2 * p + 1]);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        int64_t n = rows - r0 < 8 ? rows - r0 : 8;
+        const __m256 bias8 = _mm256_maskload_ps(bias + r0, lanes(n));
+        const float *mt = m + r0;
+        for (const struct run *run = runs; run < runs + n_runs; run++) {
+            for (int64_t i = 0; i < run->count; i++, mt += ldm) {
+                float *t = cols + 8 * (run->col + i * run->step);
+                __m256 first = _mm256_fmadd_ps(a0, _mm256_loadu_ps(mt), bias8);
+                __m256 second = _mm256_fmadd_ps(a7, _mm256_loadu_ps(mt + 7 * plane), bias8);
+                for (int p = 0; p < 3; p++) {
+                    __m256 plus = _mm256_loadu_ps(mt + (2 * p + 1) * plane);
+                    __m256 minus = _mm256_loadu_ps(mt + (2 * p + 2) * plane);
+                    first = _mm256_fmadd_ps(a[p], _mm256_add_ps(plus, minus), first);
+                    second = _mm256_fmadd_ps(b[p], _mm256_sub_ps(plus, minus), second);
+                }
+                _mm256_storeu_ps(t, first);
+                if (run->paired) _mm256_storeu_ps(t + 8 * d, second);
+            }
+        }
+        for (int64_t c = 0; c < end; c += 8) {
+            __m256i mask = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(written + c)), lanes(end - c));
+            transpose8(cols + 8 * c, 8, 8, y + r0 * ld + c, ld, n, mask);
         }
     }
 }

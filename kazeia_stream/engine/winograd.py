@@ -154,7 +154,7 @@ def chunks(cols: int, d: int) -> tuple[Chunk, ...]:
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = {  # winograd.c's parameters
     "in": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _P],
-    "out": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I],
+    "out": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I, _I, _P],
 }
 
 
@@ -169,33 +169,43 @@ def _call(op: str, *args: np.ndarray | int) -> None:
     _function(op)(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args))
 
 
-def planes(rows: int, cols: int) -> np.ndarray:
-    """An uninitialized [8, rows, cols] float32 whose planes (each C-contiguous) start a cache
-    line further apart than their size: planes a multiple of 4 KB apart share the L1 cache's
-    sets, and the transforms, which walk the 8 at once, ran 6x slower so."""
-    return np.empty((SIZE, rows * cols + _LINE), F32)[:, : rows * cols].reshape(SIZE, rows, cols)
+def planes(tiles: int, channels: int) -> np.ndarray:
+    """An uninitialized [8, tiles, channels] float32, tile-major as the kernel takes the
+    transforms' planes: rows padded to a multiple of 8 floats (a vector), planes starting a
+    cache line further apart than their size (planes a multiple of 4 KB apart share the L1
+    cache's sets, and the transforms, which walk the 8 at once, ran 6x slower so)."""
+    width = -(-channels // 8) * 8
+    flat = np.empty((SIZE, tiles * width + _LINE), F32)[:, : tiles * width]
+    return flat.reshape(SIZE, tiles, width)[:, :, :channels]
+
+
+def _layout(p: np.ndarray) -> tuple[int, int]:
+    """(row, plane) strides in floats of `planes`' planes, checked."""
+    assert p.dtype == F32 and p.strides[2] == 4 and p.strides[1] % 32 == 0 and p.shape[0] == SIZE
+    return p.strides[1] // 4, p.strides[0] // 4
 
 
 def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
     """V [8, tiles, C] (`planes`) = B^T of a chunk's tiles of a context buffer buf [C, (6 d +
-    cols)] (contiguous columns; output t's taps are columns t + j d): tile-major, so V[k].T is
-    the product's input [C, tiles]."""
+    cols)] (contiguous columns; output t's taps are columns t + j d): V[k] is the product's
+    input, a row per tile."""
     assert buf.dtype == F32 and buf.strides[1] == 4 and buf.shape[1] >= chunk.start + chunk.width
     rows, ld = buf.shape[0], buf.strides[0] // 4
-    v = planes(chunk.tiles, -(-rows // 8) * 8)
-    scratch = np.empty(8 * chunk.width, F32)
-    b_t, ldv, plane = _float32()[2], v.shape[2], v.strides[0] // 4
+    v = planes(chunk.tiles, rows)
+    ldv, plane = _layout(v)
+    scratch, runs = np.empty(8 * chunk.width, F32), chunk.runs
     x = buf[:, chunk.start :]
-    _call("in", x, rows, ld, chunk.width, d, chunk.runs, len(chunk.runs), b_t, v, ldv, plane, scratch)
-    return v[:, :, :rows]
+    _call("in", x, rows, ld, chunk.width, d, runs, len(runs), _float32()[2], v, ldv, plane, scratch)
+    return v
 
 
 def transform_out(m: np.ndarray, chunk: Chunk, d: int, bias: np.ndarray, y: np.ndarray) -> None:
-    """y [C, cols] at the chunk's outputs = bias + A^T of the products m [8, C, tiles]
-    (`transform_in`'s tiles; planes of C-contiguous rows, as `planes` makes them)."""
-    assert m.dtype == F32 and m.strides[1:] == (m.shape[2] * 4, 4) and m.shape[2] == chunk.tiles
+    """y [C, cols] at the chunk's outputs = bias + A^T of the products m [8, tiles, C]
+    (`planes`, a row per tile of `transform_in`'s)."""
+    ldm, plane = _layout(m)
+    assert m.shape[1] == chunk.tiles and m.shape[2] == y.shape[0]
     assert y.dtype == F32 and y.flags.c_contiguous
     bias = np.ascontiguousarray(bias, dtype=F32).reshape(-1)
-    rows, plane = m.shape[1], m.strides[0] // 4
-    a_t, out = _float32()[0], y[:, chunk.start :]
-    _call("out", m, rows, chunk.tiles, plane, d, chunk.runs, len(chunk.runs), a_t, bias, out, y.shape[1])
+    scratch, runs = np.empty(9 * (chunk.width + 8), F32), chunk.runs
+    a_t, out, width = _float32()[0], y[:, chunk.start :], chunk.width
+    _call("out", m, m.shape[2], ldm, plane, d, runs, len(runs), a_t, bias, out, y.shape[1], width, scratch)
