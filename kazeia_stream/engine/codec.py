@@ -56,7 +56,7 @@ from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from . import snake, winograd
+from . import heap, snake, winograd
 from .ggml_graph import Allocator, ArrayTensor, Graph, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS
 
@@ -803,6 +803,7 @@ class CodecDecoder:
 
     def __init__(self, mmproj: GGUFFile, threads: int) -> None:
         f = mmproj
+        heap.keep_freed_memory()  # a frame's buffers are then the last frame's memory
         self.threads = threads
         self._blas = ThreadpoolController().select(user_api="blas")
         self.quantizer = Quantizer(f)
