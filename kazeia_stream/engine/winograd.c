@@ -107,8 +107,9 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
 
 /* The output transform: m [P][tiles][ldm] (the products, ldm a multiple of 8, at least rows;
    planes `plane` floats apart), y [rows, ld] the layer's output, written at the chunk's
-   outputs only (columns from y on; `width` the columns its inputs span). `cols`: 8 * (width + 8) floats for the outputs'
-   columns of 8, then width + 8 int32, -1 at the columns the chunk writes. */
+   outputs only (columns from y on; `width` the columns its inputs span). `cols`: 8 * (width +
+   8) floats for the outputs' columns of 8, then width + 8 int32, -1 at the columns the chunk
+   writes. */
 AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_t plane, int64_t d,
                                const struct run *runs, int64_t n_runs, const float *at,
                                const float *bias, float *y, int64_t ld, int64_t width, float *cols) {
@@ -122,7 +123,10 @@ AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_
             end = t + 1 > end ? t + 1 : end;
         }
     __m256 a0 = _mm256_set1_ps(at[0]), a7 = _mm256_set1_ps(at[P + 7]), a[3], b[3];
-    for (int p = 0; p < 3; p++) a[p] = _mm256_set1_ps(at[2 * p + 1]), b[p] = _mm256_set1_ps(at[P + 2 * p + 1]);
+    for (int p = 0; p < 3; p++) {
+        a[p] = _mm256_set1_ps(at[2 * p + 1]);
+        b[p] = _mm256_set1_ps(at[P + 2 * p + 1]);
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
         int64_t n = rows - r0 < 8 ? rows - r0 : 8;
         const __m256 bias8 = _mm256_maskload_ps(bias + r0, lanes(n));
