@@ -8,7 +8,7 @@ pages, which the kernel zeroes on first write: 4,900 page faults a frame for the
 decoder (getrusage), and 169 against 180 ms a frame without them (`python -m
 kazeia_stream.engine.codec`, four runs alternated). With fixed thresholds (blocks up to 32 MB
 from the heap, 64 MB of free memory kept), 11 a frame. Settings the user gave glibc
-(`GLIBC_TUNABLES`, `MALLOC_*_`) are left as they are; other C libraries have no `mallopt`.
+(`GLIBC_TUNABLES`, `MALLOC_*_`) are left as they are, and other C libraries' mallocs.
 """
 
 from __future__ import annotations
@@ -30,8 +30,16 @@ def keep_freed_memory() -> bool:
         name.startswith("MALLOC_") and name.endswith("_") for name in os.environ
     ):
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
+    if not _glibc():
         return False
+    mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def _glibc() -> bool:
+    """Whether the process runs on glibc."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError):  # no such name here (not glibc, not POSIX)
+        return False
