@@ -57,7 +57,7 @@ from threadpoolctl import ThreadpoolController
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
 from . import heap, snake, winograd
-from .ggml_graph import Allocator, ArrayTensor, Graph, strides, view_of
+from .ggml_graph import Allocator, ArrayTensor, Graph, prefault, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
@@ -96,6 +96,9 @@ GGML_COLUMNS = 64
 # the first block's k = 7 convs (17 MB, 32 columns) 4.9 against 4.1; in the later blocks
 # (hundreds of columns, small weights) the gathering costs up to 0.3 ms a conv.
 SPLIT_COLUMNS = 16
+# The heap a decoded frame's buffers take at most (`heap.reserve`): 18 MB for the official
+# decoder's first frame (its page faults, getrusage).
+FRAME_HEAP = 30 << 20
 # Floats of padding after each column of a `by_column` product's input (a cache line).
 _ROW_PAD = 16
 
@@ -803,7 +806,6 @@ class CodecDecoder:
 
     def __init__(self, mmproj: GGUFFile, threads: int) -> None:
         f = mmproj
-        heap.keep_freed_memory()  # a frame's buffers are then the last frame's memory
         self.threads = threads
         self._blas = ThreadpoolController().select(user_api="blas")
         self.quantizer = Quantizer(f)
@@ -829,10 +831,12 @@ class CodecDecoder:
         for matrix, columns in self.products():
             if columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
+            prefault(matrix.array)  # the weights used in place: the first frame is heard first
         self.num_groups = self.quantizer.num_groups
         self.samples_per_frame = int(
             np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
         )
+        heap.reserve(FRAME_HEAP)  # last: a frame's buffers, not the weights, take this memory
 
     def new_state(self) -> DecoderState:
         """A new utterance: zero context everywhere, RoPE position 0."""

@@ -188,13 +188,9 @@ class Weights(_Tensors):
         self.nbytes = sum(size for _, size in self.spans) + sum(d.nbytes for _, d in converted.values())
 
     def prefault(self) -> None:
-        """Map the mapped weights' pages now (from the page cache, reading the file if it is not
-        there), so that the first pass does not take page faults over all of them."""
-        page, base = mmap.PAGESIZE, self._file.ctypes.data
+        """`prefault` the mapped weights."""
         for offset, size in self.spans:
-            start = offset // page * page
-            if not _populate(base + start, offset + size - start):
-                int(self._file[start : offset + size : page].sum())  # touch a byte per page
+            prefault(self._file[offset : offset + size])
 
     def close(self) -> None:
         super().close()
@@ -208,6 +204,17 @@ def _libc() -> ctypes.CDLL | None:
         return ctypes.CDLL(None, use_errno=True)
     except (OSError, TypeError):  # no C library by that name (Windows)
         return None
+
+
+def prefault(data: np.ndarray) -> None:
+    """Map the pages of contiguous data in a file's mapping now (from the page cache, reading
+    the file if it is not there), so that its first use does not take page faults over all of
+    them (the kernel maps 16 pages a fault there). Memory already resident costs a walk of its
+    page table."""
+    page = mmap.PAGESIZE
+    start = data.ctypes.data // page * page
+    if not _populate(start, data.ctypes.data + data.nbytes - start):
+        int(data.reshape(-1).view(np.uint8)[::page].sum())  # touch a byte per page
 
 
 def _populate(address: int, size: int) -> bool:

@@ -17,6 +17,8 @@ import ctypes
 import os
 from functools import cache
 
+import numpy as np
+
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for the threshold it adapts
@@ -43,3 +45,10 @@ def _glibc() -> bool:
         return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError):  # no such name here (not glibc, not POSIX)
         return False
+
+
+def reserve(nbytes: int) -> None:
+    """Grow the heap by `nbytes` now (written, then freed), once `keep_freed_memory` holds the
+    freed memory: the first frame's buffers are then resident pages too."""
+    if keep_freed_memory():
+        np.empty(nbytes, np.uint8).fill(0)
