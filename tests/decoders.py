@@ -1,4 +1,4 @@
-"""The tiny codec decoder both ways: its dilated convs in Winograd's F(2, 7), or direct."""
+"""The tiny codec decoder both ways: its dilated convs in Winograd's F(4, 7), or direct."""
 
 from __future__ import annotations
 

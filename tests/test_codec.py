@@ -227,7 +227,7 @@ def _mapped(array: np.ndarray) -> bool:
 def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
     """Fresh memory is slow to fault in, so a weight is copied at load only where the decoder
     multiplies it in a layout of its own: the transposed convs, the convs of many columns a
-    frame, tap by tap, and the residual units' dilated convs in Winograd's F(2, 7)."""
+    frame, tap by tap, and the residual units' dilated convs in Winograd's F(4, 7)."""
     rate = {id(m): columns for m, columns in decoder.products()}
     tfm = decoder.transformer
     in_place = [m.w for layer in tfm.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]

@@ -1,4 +1,4 @@
-"""Winograd's F(2, 7) for the decoder's dilated convolutions: the algorithm, the tiling, and our
+"""Winograd's F(4, 7) for the decoder's dilated convolutions: the algorithm, the tiling, and our
 transforms' kernel against the direct convolution."""
 
 from __future__ import annotations
@@ -14,56 +14,57 @@ needs_kernel = pytest.mark.skipif(not winograd.available(), reason="the transfor
 def test_the_algorithm_is_the_correlation_of_seven_taps():
     a_t, g, b_t = winograd.matrices()
     rng = np.random.default_rng(0)
-    taps, x = rng.standard_normal(7), rng.standard_normal(8)
+    taps, x = rng.standard_normal(7), rng.standard_normal(10)
     y = a_t @ ((g @ taps) * (b_t @ x))
-    np.testing.assert_allclose(y, [taps @ x[:7], taps @ x[1:]], rtol=1e-13)
-    assert a_t.shape == (2, 8) and g.shape == (8, 7) and b_t.shape == (8, 8)
+    np.testing.assert_allclose(y, [taps @ x[i : i + 7] for i in range(4)], rtol=1e-12)
+    assert a_t.shape == (4, 10) and g.shape == (10, 7) and b_t.shape == (10, 10)
 
 
 def test_the_matrices_have_the_symmetry_the_kernel_uses():
-    """winograd.c takes B^T's row 0 on the even inputs only, row 7 on the odd ones, rows 1-6 in
-    pairs E + O and E - O (E on inputs 2, 4, 6, O on 1, 3, 5), and A^T's rows on the sum and
-    the difference of each pair of products: the points come in pairs +p and -p."""
+    """winograd.c takes B^T's row 0 on the even inputs only, row 9 on the odd ones, rows 1-8 in
+    pairs E + O and E - O (E on inputs 2, 4, 6, 8, O on 1, 3, 5, 7), A^T's even rows on the sum
+    and its odd rows on the difference of each pair of products, point 0 (column 0) in output
+    0 only and infinity (column 9) in output 3 only: the points come in pairs +p and -p."""
     a_t, _, b_t = winograd.matrices()
-    assert not b_t[0, 1::2].any() and not b_t[7, ::2].any()
-    for k in (1, 3, 5):
-        assert not b_t[k : k + 2, [0, 7]].any()
+    assert not b_t[0, 1::2].any() and not b_t[9, ::2].any()
+    for k in (1, 3, 5, 7):
+        assert not b_t[k : k + 2, [0, 9]].any()
         np.testing.assert_array_equal(b_t[k + 1, ::2], b_t[k, ::2])
         np.testing.assert_array_equal(b_t[k + 1, 1::2], -b_t[k, 1::2])
-        np.testing.assert_array_equal(a_t[:, k + 1], a_t[:, k] * [1, -1])
-    assert a_t[0, 7] == 0 and a_t[1, 0] == 0
+        np.testing.assert_array_equal(a_t[:, k + 1], a_t[:, k] * [1, -1, 1, -1])
+    assert not a_t[1:, 0].any() and not a_t[:3, 9].any()
 
 
 @pytest.mark.parametrize("cols", [1, 2, 3, 5, 17, 32, 33, 160])
 @pytest.mark.parametrize("d", [1, 2, 3, 9, 18, 27])
 def test_the_tiles_cover_every_output_once(cols, d):
     outputs = []
-    for col, count, step, paired in winograd.plan(cols, d):
-        firsts = [col + i * step for i in range(count)]
-        outputs += firsts + ([t + d for t in firsts] if paired else [])
+    for col, count, step, n in winograd.plan(cols, d):
+        outputs += [col + i * step + j * d for i in range(count) for j in range(n)]
+        assert 1 <= n <= winograd.OUTPUTS
     assert sorted(outputs) == list(range(cols))
-    pairs = sum(int(r[1]) for r in winograd.plan(cols, d) if r[3])
-    assert winograd.tiles(cols, d) == cols - pairs
-    if cols % (2 * d) == 0:  # a frame's columns in the decoder: only pairs
-        assert pairs == cols // 2
+    # d tiles in every block of 4 d columns, then one for each of the next d columns at most
+    assert winograd.tiles(cols, d) == cols // (4 * d) * d + min(d, cols % (4 * d))
+    if cols % (4 * d) == 0:  # a frame's columns in the decoder, but for block 1's d = 9
+        assert set(winograd.plan(cols, d)[:, 3]) == {winograd.OUTPUTS}
 
 
 @pytest.mark.parametrize(("cols", "d"), [(1920, 1), (1920, 3), (640, 9), (600, 27), (257, 1), (33, 2)])
 def test_chunks_take_the_plan_s_tiles_in_order(cols, d):
     parts = winograd.chunks(cols, d)
     tiles = [
-        (c.start + col + i * step, paired) for c in parts for col, n, step, paired in c.runs for i in range(n)
+        (c.start + col + i * step, outs) for c in parts for col, n, step, outs in c.runs for i in range(n)
     ]
-    planned = [(col + i * step, paired) for col, n, step, paired in winograd.plan(cols, d) for i in range(n)]
+    planned = [(col + i * step, outs) for col, n, step, outs in winograd.plan(cols, d) for i in range(n)]
     assert tiles == planned
     sizes = [c.tiles for c in parts]
     assert max(sizes) <= winograd.CHUNK_TILES and max(sizes) - min(sizes) <= len(sizes)
     for c in parts:  # the columns each chunk reads: its tiles' inputs, within the buffer
         reads = [
             c.start + col + i * step + u * d
-            for col, n, step, paired in c.runs
+            for col, n, step, outs in c.runs
             for i in range(n)
-            for u in range(7 + paired)
+            for u in range(6 + outs)
         ]
         assert min(reads) == c.start and max(reads) == c.start + c.width - 1 <= 6 * d + cols - 1
 
@@ -102,8 +103,9 @@ def test_the_transforms_and_products_are_the_direct_convolution(c_in, c_out, col
     expected = _direct(w, bias, buf, cols, d)
     y = _tiled(w, bias, buf, cols, d)
     assert y.dtype == np.float32 and y.shape == (c_out, cols) and not np.isnan(y).any()
-    # float32's rounding, amplified by the transforms: a few times the direct products'
-    assert np.abs(y - expected).max() < 3e-6 * np.abs(expected).max()
+    # float32's rounding, amplified by the transforms: 1.4e-6 to 4.3e-6 of the largest output
+    # here, against 3e-7 for the direct products
+    assert np.abs(y - expected).max() < 1e-5 * np.abs(expected).max()
 
 
 @needs_kernel

@@ -320,8 +320,9 @@ class CausalConv:
     over X [C_in * k, n * S] gathered from the context buffer of S streams: row c * k + j is
     channel c shifted by j * d time steps (im2col). Once `split`, y = b + sum_j W_j X_j instead:
     one product per tap, on a copy of its weight, reading the shifted buffer in place (for many
-    columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tile`d, in Winograd's F(2,
-    7) (`winograd`): 8 products of half the columns each, between two transforms of ours."""
+    columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tile`d, in Winograd's F(4,
+    7) (`winograd`): 10 products of a quarter of the columns each, between two transforms of
+    ours."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
         c_out, c_in, k = weight.shape
@@ -339,8 +340,8 @@ class CausalConv:
             self.method = "taps"
 
     def tile(self) -> None:
-        """Multiply in Winograd's F(2, 7) from now on, where it runs (7 taps, our kernel built):
-        4/7 of the multiply-adds, within float rounding of the direct products."""
+        """Multiply in Winograd's F(4, 7) from now on, where it runs (7 taps, our kernel built):
+        5/14 of the multiply-adds, within float rounding of the direct products."""
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
         weight = self.products[0].array.reshape(-1, self.c_in, self.k)
@@ -824,7 +825,7 @@ class CodecDecoder:
         columns_of = {id(matrix): columns for matrix, columns in self.products()}
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
-            if conv in dilated:  # most of the multiply-adds: in Winograd's F(2, 7) where it runs
+            if conv in dilated:  # most of the multiply-adds: in Winograd's F(4, 7) where it runs
                 conv.tile()
             if conv.method == "gathered" and columns_of[id(conv.products[0])] > SPLIT_COLUMNS:
                 conv.split()

@@ -1,29 +1,31 @@
-/* The transforms of Winograd's F(2, 7) for a causal convolution of 7 taps with a dilation d
+/* The transforms of Winograd's F(4, 7) for a causal convolution of 7 taps with a dilation d
    (winograd.py has the algorithm and its matrices; codec.py's CausalConv runs it): a tile is
-   the outputs at columns t and t + d, made from the 8 inputs at t + u d, u = 0..7, of the
-   layer's context buffer (the 8th is 0 for a tile of one output). The 8 products between the
-   transforms are the GEMMs, tile-major: V_k [tiles, C_in] in, M_k = V_k U_k^T [tiles, C_out]
-   out.
+   the outputs at columns t + i d, i = 0..3, made from the 10 inputs at t + u d, u = 0..9, of
+   the layer's context buffer (a tile of fewer outputs, at the end of a call, takes zeros for
+   the inputs it does not need). The 10 products between the transforms are the GEMMs,
+   tile-major: V_k [tiles, C_in] in, M_k = V_k U_k^T [tiles, C_out] out.
 
-   Tiles come in runs (`struct run`): `count` tiles from column `col`, `step` apart (1, or 2
-   for a dilation of 1: tiles at t, t + 2, ...), of one output or two. A tile's numbers depend
-   on its inputs only, whatever tiles come with it (the decoder's streams rely on it): every
-   element is made in a fixed order. Both transforms run 8 channels a vector, between 8x8
-   transposes: the input's columns are transposed first (a tile's inputs are then 8 loads
+   Tiles come in runs (`struct run`): `count` tiles from column `col`, `step` apart (1, or 4
+   for a dilation of 1: tiles at t, t + 4, ...), of `outputs` outputs each. A tile's numbers
+   depend on its inputs only, whatever tiles come with it (the decoder's streams rely on it):
+   every element is made in a fixed order. Both transforms run 8 channels a vector, between 8x8
+   transposes: the input's columns are transposed first (a tile's inputs are then 10 loads
    whatever d: along the columns, the runs of a dilation of 3 are 3 tiles long), the output's
    back at the end. They use the matrices' symmetry, which winograd.py checks: the points come
-   in pairs +p and -p, so B^T's rows 1 to 6 are E + O and E - O of a part E of the even inputs
-   and a part O of the odd ones (row 0 is even inputs only, row 7 odd ones), and A^T's two rows
-   take the sum and the difference of the products of each pair. One variant, AVX2 with FMA. */
+   in pairs +p and -p, so B^T's rows 1 to 8 are E + O and E - O of a part E of the even inputs
+   and a part O of the odd ones (row 0 is even inputs only, row 9 odd ones), and A^T's even
+   rows take the sum of the products of each pair, its odd rows their difference. One
+   variant, AVX2 with FMA. */
 
 #include <immintrin.h>
 #include <stdint.h>
 
 #define AVX2 __attribute__((target("avx2,fma")))
-#define P 8 /* points: a tile's inputs, and its products */
+#define OUT 4          /* a whole tile's outputs */
+#define P (OUT + 6)    /* its inputs, and its products */
 
 struct run {
-    int64_t col, count, step, paired;
+    int64_t col, count, step, outputs;
 };
 
 /* The variant this CPU runs: 1 AVX2 with FMA, 0 none. */
@@ -79,18 +81,20 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
             for (int j = 0; j < 8; j++) cols[8 * c + j] = j < n ? x[(r0 + j) * ld + c] : 0.0f;
         float *vt = v + r0;
         for (const struct run *run = runs; run < runs + n_runs; run++) {
+            const int64_t used = run->outputs + 6; /* the inputs its tiles read */
             for (int64_t i = 0; i < run->count; i++, vt += ldv) {
                 const float *t = cols + 8 * (run->col + i * run->step);
                 __m256 in[P];
-                for (int u = 0; u < P - 1; u++) in[u] = _mm256_loadu_ps(t + 8 * u * d);
-                in[P - 1] = run->paired ? _mm256_loadu_ps(t + 8 * (P - 1) * d) : _mm256_setzero_ps();
-                __m256 first = _mm256_mul_ps(e[0][0], in[0]), last = _mm256_mul_ps(e[7][7], in[7]);
+                for (int u = 0; u < P; u++)
+                    in[u] = u < used ? _mm256_loadu_ps(t + 8 * u * d) : _mm256_setzero_ps();
+                __m256 first = _mm256_mul_ps(e[0][0], in[0]);
+                __m256 last = _mm256_mul_ps(e[P - 1][P - 1], in[P - 1]);
                 for (int u = 2; u < P; u += 2) {
                     first = _mm256_fmadd_ps(e[0][u], in[u], first);
-                    last = _mm256_fmadd_ps(e[7][u - 1], in[u - 1], last);
+                    last = _mm256_fmadd_ps(e[P - 1][u - 1], in[u - 1], last);
                 }
                 _mm256_storeu_ps(vt, first);
-                _mm256_storeu_ps(vt + 7 * plane, last);
+                _mm256_storeu_ps(vt + (P - 1) * plane, last);
                 for (int k = 1; k < P - 1; k += 2) {
                     __m256 even = _mm256_mul_ps(e[k][2], in[2]), odd = _mm256_mul_ps(e[k][1], in[1]);
                     for (int u = 4; u < P; u += 2) {
@@ -118,15 +122,16 @@ AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_
     for (int64_t c = 0; c < width; c++) written[c] = 0;
     for (const struct run *run = runs; run < runs + n_runs; run++)
         for (int64_t i = 0; i < run->count; i++) {
-            int64_t t = run->col + i * run->step + (run->paired ? d : 0);
-            written[t] = written[t - (run->paired ? d : 0)] = -1;
-            end = t + 1 > end ? t + 1 : end;
+            int64_t t = run->col + i * run->step;
+            for (int64_t j = 0; j < run->outputs; j++) written[t + j * d] = -1;
+            end = t + (run->outputs - 1) * d + 1 > end ? t + (run->outputs - 1) * d + 1 : end;
         }
-    __m256 a0 = _mm256_set1_ps(at[0]), a7 = _mm256_set1_ps(at[P + 7]), a[3], b[3];
-    for (int p = 0; p < 3; p++) {
-        a[p] = _mm256_set1_ps(at[2 * p + 1]);
-        b[p] = _mm256_set1_ps(at[P + 2 * p + 1]);
-    }
+    /* A^T's entries: point 0 (column 0) counts in output 0 only, infinity (column P - 1) in
+       the last only; a[j][p] for the pair of columns 2 p + 1 and 2 p + 2 */
+    const __m256 zero_point = _mm256_set1_ps(at[0]), infinity = _mm256_set1_ps(at[OUT * P - 1]);
+    __m256 a[OUT][(P - 2) / 2];
+    for (int j = 0; j < OUT; j++)
+        for (int p = 0; p < (P - 2) / 2; p++) a[j][p] = _mm256_set1_ps(at[j * P + 2 * p + 1]);
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
         int64_t n = rows - r0 < 8 ? rows - r0 : 8;
         const __m256 bias8 = _mm256_maskload_ps(bias + r0, lanes(n));
@@ -134,16 +139,19 @@ AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_
         for (const struct run *run = runs; run < runs + n_runs; run++) {
             for (int64_t i = 0; i < run->count; i++, mt += ldm) {
                 float *t = cols + 8 * (run->col + i * run->step);
-                __m256 first = _mm256_fmadd_ps(a0, _mm256_loadu_ps(mt), bias8);
-                __m256 second = _mm256_fmadd_ps(a7, _mm256_loadu_ps(mt + 7 * plane), bias8);
-                for (int p = 0; p < 3; p++) {
+                __m256 out[OUT];
+                for (int j = 0; j < OUT; j++) out[j] = bias8;
+                out[0] = _mm256_fmadd_ps(zero_point, _mm256_loadu_ps(mt), out[0]);
+                __m256 last = _mm256_loadu_ps(mt + (P - 1) * plane);
+                out[OUT - 1] = _mm256_fmadd_ps(infinity, last, out[OUT - 1]);
+                for (int p = 0; p < (P - 2) / 2; p++) {
                     __m256 plus = _mm256_loadu_ps(mt + (2 * p + 1) * plane);
                     __m256 minus = _mm256_loadu_ps(mt + (2 * p + 2) * plane);
-                    first = _mm256_fmadd_ps(a[p], _mm256_add_ps(plus, minus), first);
-                    second = _mm256_fmadd_ps(b[p], _mm256_sub_ps(plus, minus), second);
+                    __m256 sum = _mm256_add_ps(plus, minus), difference = _mm256_sub_ps(plus, minus);
+                    for (int j = 0; j < OUT; j++)
+                        out[j] = _mm256_fmadd_ps(a[j][p], j % 2 ? difference : sum, out[j]);
                 }
-                _mm256_storeu_ps(t, first);
-                if (run->paired) _mm256_storeu_ps(t + 8 * d, second);
+                for (int j = 0; j < run->outputs; j++) _mm256_storeu_ps(t + 8 * j * d, out[j]);
             }
         }
         for (int64_t c = 0; c < end; c += 8) {

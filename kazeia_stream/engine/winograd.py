@@ -1,18 +1,20 @@
-"""Winograd's minimal filtering F(2, 7) (Lavin and Gray, 2015) for the codec decoder's causal
-convolutions of 7 taps: two outputs of a channel from 8 inputs in 8 products instead of 14, so
-a convolution [C_out, C_in, 7] over n columns costs 8 GEMMs [C_out, C_in] x [C_in, n / 2]
-instead of 7 of n columns: 4/7 of the multiply-adds. The decoder's residual units are most of
+"""Winograd's minimal filtering F(4, 7) (Lavin and Gray, 2015) for the codec decoder's causal
+convolutions of 7 taps: four outputs of a channel from 10 inputs in 10 products instead of 28,
+so a convolution [C_out, C_in, 7] over n columns costs 10 GEMMs [C_out, C_in] x [C_in, n / 4]
+instead of 7 of n columns: 5/14 of the multiply-adds. The decoder's residual units are most of
 its multiply-adds and bound by them on CPUs whose float32 FMA is the limit (Zen 1: 8 a cycle);
 the transforms before and after the GEMMs are a few percent (ours, `winograd.c`).
 
-Tiles: outputs t and t + d (d the dilation times the streams: a context buffer's columns), in
-blocks of 2 d columns from the first column of a call, then pairs and single outputs for the
-rest; the decoder calls a layer with one frame's columns at a time, so every column of an
-utterance is always in the same tile, and chunks of any sizes give the samples of the
-one-shot decode, bit for bit. The numbers differ from the direct convolution's by float
-rounding, amplified by the transforms: up to 3e-6 of the largest output on random weights
-against 3e-7 for the direct one (tests/test_winograd.py; the interpolation points 0, +-1, +-2,
-+-1/2 and infinity are the well-conditioned ones).
+Tiles: outputs t, t + d, t + 2 d and t + 3 d (d the dilation times the streams: a context
+buffer's columns), in blocks of 4 d columns from the first column of a call, then tiles of
+fewer outputs for the rest; the decoder calls a layer with one frame's columns at a time, so
+every column of an utterance is always in the same tile, and chunks of any sizes give the
+samples of the one-shot decode, bit for bit. The numbers differ from the direct convolution's
+by float rounding, amplified by the transforms: about 1e-5 of the largest output on random
+weights against 3e-7 for the direct one and 2e-6 for F(2, 7) (tests/test_winograd.py). The
+interpolation points 0, +-1, +-2, +-1/2, +-3/4 and infinity gave the smallest of the sets
+tried (+-3/2, +-2/3, +-4/3, +-1/3, +-3, +-4, +-1/4 in the last pair: up to 5e-5); they come
+in pairs +p and -p, which the kernel uses.
 """
 
 from __future__ import annotations
@@ -31,15 +33,18 @@ from . import native
 
 ENV = "KAZEIA_WINOGRAD"  # "0": the direct products, each tap's, as the official decoder
 TAPS = 7
-POINTS = (Fraction(0), Fraction(1), Fraction(-1), Fraction(2), Fraction(-2), Fraction(1, 2), Fraction(-1, 2))
-SIZE = TAPS + 1  # a tile's inputs: len(POINTS) and infinity
+OUTPUTS = 4  # a whole tile's
+_PAIRS = (Fraction(1), Fraction(2), Fraction(1, 2), Fraction(3, 4))
+POINTS = (Fraction(0), *(q for p in _PAIRS for q in (p, -p)))
+SIZE = TAPS + OUTPUTS - 1  # a tile's inputs and products: len(POINTS) and infinity
 # A call's tiles are transformed and multiplied in chunks of at most this many (about even):
 # the planes of a whole frame of the last blocks (2-3 MB) spill the caches between the
-# transforms and the products. Block 4 (96 channels, 960 tiles), one conv with the L2 cache
-# flushed first: 7.3-9.2 ms in chunks of 256 against 8.7-12.2 whole and 11.5-11.8 direct.
+# transforms and the products. In F(2, 7), block 4 (96 channels, 960 tiles), one conv with the
+# L2 cache flushed first: 7.3-9.2 ms in chunks of 256 against 8.7-12.2 whole and 11.5-11.8
+# direct; in F(4, 7), a 0.6B decode: 116.5 ms a frame in chunks of 256 or 128, 124-129 in 64.
 CHUNK_TILES = 256
 _LINE = 16  # floats in a cache line
-_RUN = 4  # int64 fields of winograd.c's `struct run`: col, count, step, paired
+_RUN = 4  # int64 fields of winograd.c's `struct run`: col, count, step, outputs
 
 F32 = np.float32
 
@@ -72,19 +77,19 @@ def _vandermonde(columns: int) -> list[list[Fraction]]:
 
 @cache
 def matrices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A^T [2, 8], G [8, 7], B^T [8, 8] (float64, exact fractions rounded once) such that
-    y = A^T ((G g) * (B^T x)) is the correlation y_i = sum_j g_j x_(i + j), i = 0, 1: the
-    transposed Toom-Cook algorithm for the linear convolution of 7 and 2 coefficients."""
+    """A^T [4, 10], G [10, 7], B^T [10, 10] (float64, exact fractions rounded once) such that
+    y = A^T ((G g) * (B^T x)) is the correlation y_i = sum_j g_j x_(i + j), i = 0 .. 3: the
+    transposed Toom-Cook algorithm for the linear convolution of 7 and 4 coefficients."""
     to_array = lambda m: np.array([[float(v) for v in row] for row in m])
-    a_t = to_array(_vandermonde(2)).T.copy()
+    a_t = to_array(_vandermonde(OUTPUTS)).T.copy()
     b_t = to_array(_inverse(_vandermonde(SIZE))).T.copy()
     return a_t, to_array(_vandermonde(TAPS)), b_t
 
 
 def kernel_weights(w: np.ndarray) -> np.ndarray:
-    """U [8, C_out, C_in] float32 of a convolution's weight w [C_out, C_in, 7]: U_k = sum_j
-    G[k, j] w_j (G's entries are powers of 2: only the sums round). One product at load,
-    5 ms for the largest (in float64, 100 ms, for a last bit)."""
+    """U [10, C_out, C_in] float32 of a convolution's weight w [C_out, C_in, 7]: U_k = sum_j
+    G[k, j] w_j. One float32 product at load, 5-7 ms for the largest (in float64, 100 ms, for
+    a last bit, far below the transforms' rounding)."""
     c_out, c_in, taps = w.shape
     return (_float32()[1] @ w.reshape(c_out * c_in, taps).T).reshape(SIZE, c_out, c_in)
 
@@ -99,20 +104,20 @@ def _float32() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @cache
 def plan(cols: int, d: int) -> np.ndarray:
     """The tiles of a call of `cols` columns with a dilation of d columns, as winograd.c's
-    runs [n, 4]: blocks of 2 d columns (d pairs each, one run with step 2 for d = 1), then for
-    the last cols mod 2 d columns the pairs that fit and single outputs."""
-    blocks = cols // (2 * d)
-    runs = [(0, blocks, 2, 1)] if d == 1 else [(2 * d * b, d, 1, 1) for b in range(blocks)]
-    start = blocks * 2 * d
-    pairs = max(cols - start - d, 0)
-    singles = cols - start - 2 * pairs
-    runs += [(start, pairs, 1, 1)] if pairs else []
-    runs += [(start + pairs, singles, 1, 0)] if singles else []
+    runs [n, 4]: blocks of 4 d columns (d whole tiles each, one run with step 4 for d = 1),
+    then for the last cols mod 4 d columns tiles of the outputs that fit there."""
+    span = OUTPUTS * d
+    blocks, start = cols // span, cols // span * span
+    runs = [(0, blocks, OUTPUTS, OUTPUTS)] if d == 1 else [(span * b, d, 1, OUTPUTS) for b in range(blocks)]
+    rest = [-(-(cols - t) // d) for t in range(start, min(start + d, cols))]  # each tile's outputs
+    for outputs in sorted(set(rest), reverse=True):  # tiles of fewer outputs come later
+        first = rest.index(outputs)
+        runs.append((start + first, rest.count(outputs), 1, outputs))
     return np.array([r for r in runs if r[1]], dtype=np.int64).reshape(-1, _RUN)
 
 
 def tiles(cols: int, d: int) -> int:
-    """The columns of each of the 8 products for a call of `cols` columns."""
+    """The columns of each of the 10 products for a call of `cols` columns."""
     return int(plan(cols, d)[:, 1].sum())
 
 
@@ -134,10 +139,10 @@ def chunks(cols: int, d: int) -> tuple[Chunk, ...]:
     size = math.ceil(count / math.ceil(count / CHUNK_TILES))
     pieces: list[list[tuple[int, int, int, int]]] = [[]]
     room = size
-    for col, n, step, paired in runs.tolist():
+    for col, n, step, outputs in runs.tolist():
         while n:
             take = min(n, room)
-            pieces[-1].append((col, take, step, paired))
+            pieces[-1].append((col, take, step, outputs))
             col, n, room = col + take * step, n - take, room - take
             if not room:
                 pieces.append([])
@@ -145,8 +150,8 @@ def chunks(cols: int, d: int) -> tuple[Chunk, ...]:
     result = []
     for piece in filter(None, pieces):
         start = piece[0][0]
-        end = max(col + (n - 1) * step + (TAPS - 1 + paired) * d for col, n, step, paired in piece) + 1
-        rel = np.array([(col - start, n, step, paired) for col, n, step, paired in piece], dtype=np.int64)
+        end = max(col + (n - 1) * step + (TAPS - 2 + outs) * d for col, n, step, outs in piece) + 1
+        rel = np.array([(col - start, n, step, outs) for col, n, step, outs in piece], dtype=np.int64)
         result.append(Chunk(start, end - start, rel, sum(n for _, n, _, _ in piece)))
     return tuple(result)
 
@@ -170,10 +175,10 @@ def _call(op: str, *args: np.ndarray | int) -> None:
 
 
 def planes(tiles: int, channels: int) -> np.ndarray:
-    """An uninitialized [8, tiles, channels] float32, tile-major as the kernel takes the
+    """An uninitialized [10, tiles, channels] float32, tile-major as the kernel takes the
     transforms' planes: rows padded to a multiple of 8 floats (a vector), planes starting a
     cache line further apart than their size (planes a multiple of 4 KB apart share the L1
-    cache's sets, and the transforms, which walk the 8 at once, ran 6x slower so)."""
+    cache's sets, and the transforms, which walk the 10 at once, ran 6x slower so)."""
     width = -(-channels // 8) * 8
     flat = np.empty((SIZE, tiles * width + _LINE), F32)[:, : tiles * width]
     return flat.reshape(SIZE, tiles, width)[:, :, :channels]
@@ -186,7 +191,7 @@ def _layout(p: np.ndarray) -> tuple[int, int]:
 
 
 def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
-    """V [8, tiles, C] (`planes`) = B^T of a chunk's tiles of a context buffer buf [C, (6 d +
+    """V [10, tiles, C] (`planes`) = B^T of a chunk's tiles of a context buffer buf [C, (6 d +
     cols)] (contiguous columns; output t's taps are columns t + j d): V[k] is the product's
     input, a row per tile."""
     assert buf.dtype == F32 and buf.strides[1] == 4 and buf.shape[1] >= chunk.start + chunk.width
@@ -200,7 +205,7 @@ def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
 
 
 def transform_out(m: np.ndarray, chunk: Chunk, d: int, bias: np.ndarray, y: np.ndarray) -> None:
-    """y [C, cols] at the chunk's outputs = bias + A^T of the products m [8, tiles, C]
+    """y [C, cols] at the chunk's outputs = bias + A^T of the products m [10, tiles, C]
     (`planes`, a row per tile of `transform_in`'s)."""
     ldm, plane = _layout(m)
     assert m.shape[1] == chunk.tiles and m.shape[2] == y.shape[0]
