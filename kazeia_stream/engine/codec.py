@@ -806,9 +806,12 @@ class CodecDecoder:
     decode."""
 
     def __init__(self, mmproj: GGUFFile, threads: int) -> None:
-        f = mmproj
         self.threads = threads
         self._blas = ThreadpoolController().select(user_api="blas")
+        with self._threads(None):  # the load's products too: a second thread spins after them
+            self._load(mmproj)
+
+    def _load(self, f: GGUFFile) -> None:
         self.quantizer = Quantizer(f)
         self.pre_conv = CausalConv(*_conv(f, L.WAV_PRE_CONV))
         self.transformer = Transformer(f)
