@@ -12,9 +12,9 @@ every column of an utterance is always in the same tile, and chunks of any sizes
 samples of the one-shot decode, bit for bit. The numbers differ from the direct convolution's
 by float rounding, amplified by the transforms: about 1e-5 of the largest output on random
 weights against 3e-7 for the direct one and 2e-6 for F(2, 7) (tests/test_winograd.py). The
-interpolation points 0, +-1, +-2, +-1/2, +-3/4 and infinity gave the smallest of the sets
-tried (+-3/2, +-2/3, +-4/3, +-1/3, +-3, +-4, +-1/4 in the last pair: up to 5e-5); they come
-in pairs +p and -p, which the kernel uses.
+interpolation points 0, +-1, +-2, +-1/2, +-3/4 and infinity gave the least rounding of the
+sets tried, with +-4/3 (+-3/2, +-2/3, +-1/3, +-3, +-4, +-1/4 in the last pair: up to 5e-5);
+they come in pairs +p and -p, which the kernel uses.
 """
 
 from __future__ import annotations
