@@ -161,6 +161,41 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
         assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {2}
 
 
+def test_a_fresh_decoder_s_first_frames_build_no_graph(tiny_gguf, reference, monkeypatch):
+    """The load builds a frame's graphs on ggml's kernels, placed in the compute buffer at its
+    full size: the first frames neither build one nor rebuild one that the buffer's growth
+    left stale (which the second frame did, 10 ms on the 0.6B)."""
+    from kazeia_stream.engine import codec
+
+    decoder = tiny_decoder(tiny_gguf("custom_voice")[1], "winograd")
+    built = []
+    init = codec.Graph.__init__
+    monkeypatch.setattr(codec.Graph, "__init__", lambda graph, n: built.append(n) or init(graph, n))
+    state = decoder.new_state()
+    for frame in reference["codes"][:3]:
+        decoder.push(state, frame[None])
+    assert not built
+    decoder.push(state, reference["codes"][3:5])  # two frames a push: graphs of their own
+    assert built
+
+
+def test_the_load_s_products_run_on_the_decoder_s_blas_threads(tiny_gguf, monkeypatch):
+    """Two threads would leave OpenBLAS's second spinning after them, beside the talker."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    seen = []
+    kernel_weights = winograd.kernel_weights
+
+    def spy(w):
+        seen.append({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"})
+        return kernel_weights(w)
+
+    monkeypatch.setattr(winograd, "kernel_weights", spy)
+    with threadpool_limits(limits=2, user_api="blas"):
+        tiny_decoder(tiny_gguf("custom_voice")[1], "winograd")
+    assert seen and all(s == {1} for s in seen)
+
+
 @pytest.mark.parametrize("n_ref", [3, 50, 75])
 def test_priming_with_a_reference_gives_the_joint_decode_after_it(decoder, reference, one_shot, n_ref):
     """An in-context voice: the audio after `prime(reference)` is the one-shot decode of

@@ -200,6 +200,12 @@ class Matrix:
         np.copyto(out, result.T)
         return out
 
+    def prepare(self, n: int) -> None:
+        """Build the product's graph for n columns now, where it runs on ggml's kernels, not at
+        its first call (the decoder's load does, for a frame of one stream)."""
+        if self.allocator is not None:
+            self._graph(n)
+
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
         """The product's graph for n columns: one mul_mat, its input [n, in] and output
         [n, out] (ggml's column-major orientation) as numpy views. `by_column`, the input's rows
@@ -836,6 +842,9 @@ class CodecDecoder:
             if columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
             prefault(matrix.array)  # the weights used in place: the first frame is heard first
+        for _ in range(2):  # a frame's graphs too; again where the buffer's growth left one stale
+            for matrix, columns in self.products():
+                matrix.prepare(columns)
         self.num_groups = self.quantizer.num_groups
         self.samples_per_frame = int(
             np.prod([up.s for up, _ in self.upsample]) * np.prod([blk.up.s for blk in self.blocks])
