@@ -134,8 +134,15 @@ def test_rejects_a_wrong_shape(decoder, reference):
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores for 2 BLAS threads")
+def _blas_threads() -> set[int]:
+    """The thread counts numpy's BLAS libraries are set to now."""
+    from threadpoolctl import threadpool_info
+
+    return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+
 def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     from kazeia_stream.engine import codec
 
@@ -143,7 +150,7 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
     matmul, compute = codec._matmul, codec.Graph.compute
 
     def spy(*args, **kwargs):
-        seen.append({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"})
+        seen.append(_blas_threads())
         return matmul(*args, **kwargs)
 
     monkeypatch.setattr(codec, "_matmul", spy)
@@ -158,7 +165,7 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
         decoder.push(state, reference["codes"][2:4], threads=2)
         assert seen and all(s == {2} for s in seen)
         assert ggml and set(ggml) == {1}  # one thread runs graphs on several: the generator's
-        assert {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"} == {2}
+        assert _blas_threads() == {2}
 
 
 def test_a_fresh_decoder_s_first_frames_build_no_graph(tiny_gguf, reference, monkeypatch):
@@ -181,13 +188,13 @@ def test_a_fresh_decoder_s_first_frames_build_no_graph(tiny_gguf, reference, mon
 
 def test_the_load_s_products_run_on_the_decoder_s_blas_threads(tiny_gguf, monkeypatch):
     """Two threads would leave OpenBLAS's second spinning after them, beside the talker."""
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     seen = []
     kernel_weights = winograd.kernel_weights
 
     def spy(w):
-        seen.append({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"})
+        seen.append(_blas_threads())
         return kernel_weights(w)
 
     monkeypatch.setattr(winograd, "kernel_weights", spy)

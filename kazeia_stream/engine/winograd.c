@@ -81,7 +81,7 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
             for (int j = 0; j < 8; j++) cols[8 * c + j] = j < n ? x[(r0 + j) * ld + c] : 0.0f;
         float *vt = v + r0;
         for (const struct run *run = runs; run < runs + n_runs; run++) {
-            const int64_t used = run->outputs + 6; /* the inputs its tiles read */
+            const int64_t used = P - OUT + run->outputs; /* the inputs its tiles read */
             for (int64_t i = 0; i < run->count; i++, vt += ldv) {
                 const float *t = cols + 8 * (run->col + i * run->step);
                 __m256 in[P];
@@ -122,9 +122,9 @@ AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_
     for (int64_t c = 0; c < width; c++) written[c] = 0;
     for (const struct run *run = runs; run < runs + n_runs; run++)
         for (int64_t i = 0; i < run->count; i++) {
-            int64_t t = run->col + i * run->step;
+            int64_t t = run->col + i * run->step, last = t + (run->outputs - 1) * d;
             for (int64_t j = 0; j < run->outputs; j++) written[t + j * d] = -1;
-            end = t + (run->outputs - 1) * d + 1 > end ? t + (run->outputs - 1) * d + 1 : end;
+            end = last + 1 > end ? last + 1 : end;
         }
     /* A^T's entries: point 0 (column 0) counts in output 0 only, infinity (column P - 1) in
        the last only; a[j][p] for the pair of columns 2 p + 1 and 2 p + 2 */
