@@ -3,8 +3,9 @@
    dst [m, n] = w [m, k] (Q8_0: blocks of an fp16 scale and 32 int8) @ x [k, n] (float32 rows),
    the rows of x quantized to Q8_0 as ggml does. Two variants of the same loops: int8 products on
    AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it), or
-   on AVX2 (u8 x s8 pairs, then pairs of int16; the sign moved onto x), one block per 256-bit
-   register. A row of dst is summed in one order whatever n is, so a
+   on AVX2 (u8 x s8 pairs, then pairs of int16: |x| times w with x's sign), two blocks per
+   256-bit register, interleaved eight bytes at a time so that one conversion and one fmadd
+   scale both. A row of dst is summed in one order whatever n is, so a
    sequence's numbers do not depend on the rows computed beside it. ggml's threads take chunks
    of 64 weight rows in turn (a counter of the operation's own, `struct claims`: a thread that
    another process or the codec decoder holds back leaves its share to the others, as ggml's
@@ -56,20 +57,30 @@ int kz_q8_product_level(void) {
                : 1;
 }
 
-/* A block's scale as ggml's quantize_row_q8_0: d = max|x| / 127 (stored as fp16, kept eight
-   times over, the width of a block's lanes); the values are multiplied by 127 / max|x| and
-   rounded to the nearest (even on ties). Returns that multiplier. */
-__attribute__((target("f16c"))) static inline float scale(float amax, float *d8) {
-    float d = _cvtsh_ss(_cvtss_sh(amax / 127.0f, 0));
-    for (int i = 0; i < 8; i++) d8[i] = d;
+/* A block's scale as ggml's quantize_row_q8_0: d = max|x| / 127 (rounded through fp16, as
+   ggml stores it); the values are multiplied by 127 / max|x| and rounded to the nearest (even
+   on ties). Returns that multiplier. */
+__attribute__((target("f16c"))) static inline float scale(float amax, float *d) {
+    *d = _cvtsh_ss(_cvtss_sh(amax / 127.0f, 0));
     return amax != 0.0f ? 127.0f / amax : 0.0f;
 }
+
+/* How a variant lays out a row of x once quantized, per pair of blocks (a row's odd last block
+   is paired with a zero one): bytes of int8 and floats of scales. */
+struct layout {
+    int bytes, floats;
+};
+
+/* AVX512-VNNI: a block's 32 int8 + 128 in order, its scale eight times over (a block's lanes). */
+static const struct layout layout512 = {64, 16};
 
 AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) {
     for (int64_t b = 0; b < k / 32; b++) {
         __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        __m512 id = _mm512_set1_ps(scale(amax, d8 + b * 8));
+        float d;
+        __m512 id = _mm512_set1_ps(scale(amax, &d));
+        _mm256_storeu_ps(d8 + b * 8, _mm256_set1_ps(d));
         const __m128i offset = _mm_set1_epi8((char)0x80); /* q + 128: unsigned for vpdpbusd */
         __m128i q_lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id)));
         __m128i q_hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id)));
@@ -78,47 +89,73 @@ AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) 
     }
 }
 
-AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d8) {
+/* AVX2: a pair of blocks b0, b1 as two registers, each lane of 16 bytes eight of b0 and eight of
+   b1 (as the unpacks of a pair of weight blocks lay them): the first register holds bytes 0-7
+   and 16-23 of each block, the second 8-15 and 24-31; then |x| likewise. The lanes of the
+   int32 sums come out as b0, b0, b1, b1, b0, b0, b1, b1, and the scales are laid out so. */
+static const struct layout layout256 = {128, 8};
+
+AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < k / 32; b++) {
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + b * 32 + i * 8);
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    const int64_t nb = k / 32, pairs = (nb + 1) / 2;
+    int8_t *magnitudes = q + pairs * 64;
+    for (int64_t b = 0; b < nb + nb % 2; b++) {
+        int8_t *xq = q + b / 2 * 64 + b % 2 * 8, *xa = magnitudes + b / 2 * 64 + b % 2 * 8;
+        float *xd = d + b / 2 * 8 + b % 2 * 2;
+        __m256i packed = _mm256_setzero_si256(); /* the zero block beside an odd last one */
+        float db = 0.0f;
+        if (b < nb) {
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(x + b * 32 + i * 8);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            __m256 id = _mm256_set1_ps(scale(_mm_cvtss_f32(m4), &db));
+            __m256i i[4];
+            for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+            /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes in order */
+            packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+            packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         }
-        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        __m256 id = _mm256_set1_ps(scale(_mm_cvtss_f32(m4), d8 + b * 8));
-        __m256i i[4];
-        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-        /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order */
-        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
-                                            _mm256_packs_epi32(i[2], i[3]));
-        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * 32), packed);
+        int64_t eights[4];
+        _mm256_storeu_si256((__m256i *)eights, packed);
+        int64_t magnitude[4];
+        _mm256_storeu_si256((__m256i *)magnitude, _mm256_abs_epi8(packed));
+        static const int at[4] = {0, 32, 16, 48}; /* bytes 0-7, 8-15, 16-23, 24-31 */
+        for (int e = 0; e < 4; e++) {
+            __builtin_memcpy(xq + at[e], eights + e, 8);
+            __builtin_memcpy(xa + at[e], magnitude + e, 8);
+        }
+        xd[0] = xd[1] = xd[4] = xd[5] = db;
     }
 }
 
-/* dst[r][row] for weight rows [r0, r1) and rows r of x in [0, n), n <= ROWS. */
-typedef void tile_fn(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,
-                     const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1);
+/* dst[r][row] for weight rows [r0, r1) and rows r of x in [0, n), n <= ROWS: x's rows of
+   q_row int8 and d_row scales, as the variant's layout. */
+typedef void tile_fn(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n,
+                     const int8_t *q, const float *d8, float *dst, size_t dst_row, int64_t r0,
+                     int64_t r1);
 
 /* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
 #define INLINE static inline __attribute__((always_inline))
 #define TILE(target, name, rows)                                                                \
-    target static void name(const block_q8_0 *w, int64_t nb, int64_t k, int n, const int8_t *q,  \
-                            const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) { \
+    target static void name(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n,  \
+                            const int8_t *q, const float *d8, float *dst, size_t dst_row,        \
+                            int64_t r0, int64_t r1) {                                           \
         switch (n) {                                                                            \
-        case 1: rows(w, nb, k, 1, q, d8, dst, dst_row, r0, r1); break;                          \
-        case 2: rows(w, nb, k, 2, q, d8, dst, dst_row, r0, r1); break;                          \
-        case 3: rows(w, nb, k, 3, q, d8, dst, dst_row, r0, r1); break;                          \
-        default: rows(w, nb, k, ROWS, q, d8, dst, dst_row, r0, r1); break;                      \
+        case 1: rows(w, nb, q_row, d_row, 1, q, d8, dst, dst_row, r0, r1); break;               \
+        case 2: rows(w, nb, q_row, d_row, 2, q, d8, dst, dst_row, r0, r1); break;               \
+        case 3: rows(w, nb, q_row, d_row, 3, q, d8, dst, dst_row, r0, r1); break;               \
+        default: rows(w, nb, q_row, d_row, ROWS, q, d8, dst, dst_row, r0, r1); break;           \
         }                                                                                       \
     }
 
-AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, int64_t k, const int n, const int8_t *q,
-                           const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, const int n,
+                           const int8_t *q, const float *d8, float *dst, size_t dst_row, int64_t r0,
+                           int64_t r1) {
     /* x holds q + 128 (unsigned, as vpdpbusd takes it): each dot product starts from
        -128 * (the sum of w's four int8), computed once for every row of x */
     const __m512i offset = _mm512_set1_epi8((char)0x80);
@@ -137,9 +174,9 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, int64_t k, const int
             __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(wr[b].d)),
                                            _mm256_set1_ps(_cvtsh_ss(wr[b + 1].d)), 1);
             for (int r = 0; r < n; r++) {
-                __m512i xq = _mm512_loadu_si512((const void *)(q + r * k + b * 32));
+                __m512i xq = _mm512_loadu_si512((const void *)(q + r * q_row + b * 32));
                 __m512i dot = _mm512_dpbusd_epi32(start, xq, wq);
-                __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d8 + (r * nb + b) * 8));
+                __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d8 + r * d_row + b * 8));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             }
         }
@@ -150,9 +187,9 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, int64_t k, const int
                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm512_castsi512_si256(offset), wq));
             float dw = _cvtsh_ss(wr[b].d);
             for (int r = 0; r < n; r++) {
-                __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * k + b * 32));
+                __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * q_row + b * 32));
                 __m256i dot = _mm256_dpbusd_epi32(start, xq, wq);
-                __m256 scale = _mm256_set1_ps(dw * d8[(r * nb + b) * 8]);
+                __m256 scale = _mm256_set1_ps(dw * d8[r * d_row + b * 8]);
                 __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(part));
             }
@@ -163,46 +200,45 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, int64_t k, const int
 
 TILE(AVX512, tile512, rows512)
 
-/* One block of w (its magnitudes, the sign of each int8) times one of x, as floats: the
-   int16 pair sums cannot saturate, x's int8 lie in [-127, 127]. */
-AVX2 static inline __m256 dot256(__m256i magnitude, __m256i wq, const int8_t *xq) {
-    __m256i signed_x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), wq);
-    __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* A pair of weight blocks (w1 and d1 zero beside an odd last block) times each row of x: the
+   blocks interleaved as quantize256 lays x out, signed by x, times |x|, and the int32 sums of
+   both blocks converted and scaled at once. The int16 pair sums cannot saturate: x's int8 lie
+   in [-127, 127]. */
+AVX2 INLINE void pair256(__m256i w0, __m256i w1, uint64_t d0, uint64_t d1, const int n,
+                         const int8_t *q, size_t q_row, const float *d, size_t d_row, __m256 *acc) {
+    const __m256i lo = _mm256_unpacklo_epi64(w0, w1), hi = _mm256_unpackhi_epi64(w0, w1);
+    const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi64x((long long)(d0 | d0 << 16 | d1 << 32 | d1 << 48)));
+    const size_t magnitudes = q_row / 2;
+    for (int r = 0; r < n; r++) {
+        const __m256i *xq = (const __m256i *)(q + r * q_row), *xa = (const __m256i *)(q + r * q_row + magnitudes);
+        __m256i plo = _mm256_maddubs_epi16(_mm256_loadu_si256(xa), _mm256_sign_epi8(lo, _mm256_loadu_si256(xq)));
+        __m256i phi = _mm256_maddubs_epi16(_mm256_loadu_si256(xa + 1), _mm256_sign_epi8(hi, _mm256_loadu_si256(xq + 1)));
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+        __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(d + r * d_row));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+    }
 }
 
-AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, int64_t k, const int n, const int8_t *q,
-                         const float *d8, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, const int n,
+                         const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
+                         int64_t r1) {
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
-        __m256 even[ROWS], odd[ROWS]; /* two chains of fmadds per row: blocks 0, 2, .. and 1, 3, .. */
-        for (int r = 0; r < n; r++) even[r] = odd[r] = _mm256_setzero_ps();
+        __m256 acc[ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 1 < nb; b += 2) {
             _mm_prefetch((const char *)(wr + b) + PREFETCH, _MM_HINT_T0);
-            __m256i w0 = _mm256_loadu_si256((const __m256i *)wr[b].qs);
-            __m256i w1 = _mm256_loadu_si256((const __m256i *)wr[b + 1].qs);
-            __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
-            float dw0 = _cvtsh_ss(wr[b].d), dw1 = _cvtsh_ss(wr[b + 1].d);
-            for (int r = 0; r < n; r++) {
-                const int8_t *xq = q + r * k + b * 32;
-                const float *dx = d8 + (r * nb + b) * 8;
-                even[r] = _mm256_fmadd_ps(dot256(m0, w0, xq), _mm256_set1_ps(dw0 * dx[0]), even[r]);
-                odd[r] = _mm256_fmadd_ps(dot256(m1, w1, xq + 32), _mm256_set1_ps(dw1 * dx[8]), odd[r]);
-            }
+            pair256(_mm256_loadu_si256((const __m256i *)wr[b].qs),
+                    _mm256_loadu_si256((const __m256i *)wr[b + 1].qs), wr[b].d, wr[b + 1].d, n,
+                    q + b * 32, q_row, d + b * 4, d_row, acc);
         }
-        if (b < nb) { /* an odd last block */
-            __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
-            __m256i magnitude = _mm256_abs_epi8(wq);
-            float dw = _cvtsh_ss(wr[b].d);
-            for (int r = 0; r < n; r++) {
-                __m256 scale = _mm256_set1_ps(dw * d8[(r * nb + b) * 8]);
-                even[r] = _mm256_fmadd_ps(dot256(magnitude, wq, q + r * k + b * 32), scale, even[r]);
-            }
-        }
+        if (b < nb) /* an odd last block */
+            pair256(_mm256_loadu_si256((const __m256i *)wr[b].qs), _mm256_setzero_si256(), wr[b].d, 0,
+                    n, q + b * 32, q_row, d + b * 4, d_row, acc);
         for (int r = 0; r < n; r++) {
-            __m256 sum = _mm256_add_ps(even[r], odd[r]);
-            __m128 s = _mm_add_ps(_mm256_extractf128_ps(sum, 1), _mm256_castps256_ps128(sum));
+            __m128 s = _mm_add_ps(_mm256_extractf128_ps(acc[r], 1), _mm256_castps256_ps128(acc[r]));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             dst[r * dst_row + row] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
         }
@@ -221,18 +257,20 @@ struct claims {
 };
 
 /* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
-   weights, src[1] x, on one variant's quantizer and tiles. */
+   weights, src[1] x, on one variant's quantizer, layout and tiles. */
 static void product(struct tensor *dst, int nth, struct claims *claims,
-                    void (*quantize)(const float *, int64_t, int8_t *, float *), tile_fn *tile) {
+                    void (*quantize)(const float *, int64_t, int8_t *, float *),
+                    const struct layout *layout, tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
+    const size_t q_row = (size_t)(nb + 1) / 2 * layout->bytes, d_row = (size_t)(nb + 1) / 2 * layout->floats;
     const int chunks = (int)((m + CHUNK_ROWS - 1) / CHUNK_ROWS);
-    int8_t *q = aligned_alloc(64, (size_t)((n * k + 63) / 64 * 64));
-    float *d8 = aligned_alloc(64, (size_t)((n * nb * 8 * 4 + 63) / 64 * 64));
-    if (q == NULL || d8 == NULL) abort(); /* as ggml does when memory runs out */
+    int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
+    float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
+    if (q == NULL || d == NULL) abort(); /* as ggml does when memory runs out */
     for (int64_t r = 0; r < n; r++) {
         const float *row = (const float *)((const char *)x->data + r * x->nb[1]);
-        quantize(row, k, q + r * k, d8 + r * nb * 8);
+        quantize(row, k, q + r * q_row, d + r * d_row);
     }
     const size_t dst_row = dst->nb[1] / sizeof(float);
     const block_q8_0 *weights = w->data;
@@ -244,7 +282,7 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
             for (int64_t r = 0; r < n; r += ROWS) {
                 int count = n - r < ROWS ? (int)(n - r) : ROWS;
                 float *out = (float *)dst->data + r * dst_row;
-                tile(weights, nb, k, count, q + r * k, d8 + r * nb * 8, out, dst_row, r0, r1);
+                tile(weights, nb, q_row, d_row, count, q + r * q_row, d + r * d_row, out, dst_row, r0, r1);
             }
         }
     }
@@ -253,15 +291,15 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
         __atomic_store_n(&claims->done, 0, __ATOMIC_RELEASE);
     }
     free(q);
-    free(d8);
+    free(d);
 }
 
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
     (void)ith;
-    product(dst, nth, claims, quantize512, tile512);
+    product(dst, nth, claims, quantize512, &layout512, tile512);
 }
 
 void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
     (void)ith;
-    product(dst, nth, claims, quantize256, tile256);
+    product(dst, nth, claims, quantize256, &layout256, tile256);
 }
