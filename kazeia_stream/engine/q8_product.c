@@ -89,47 +89,46 @@ AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) 
     }
 }
 
-/* AVX2: a pair of blocks b0, b1 as two registers, each lane of 16 bytes eight of b0 and eight of
-   b1 (as the unpacks of a pair of weight blocks lay them): the first register holds bytes 0-7
-   and 16-23 of each block, the second 8-15 and 24-31; then |x| likewise. The lanes of the
-   int32 sums come out as b0, b0, b1, b1, b0, b0, b1, b1, and the scales are laid out so. */
+/* AVX2: a pair of blocks as the weights' pairs are taken (pair256): through the same unpacks,
+   each 16-byte lane eight bytes of the first block and eight of the second, bytes 0-7 and
+   16-23 of each in the first register, 8-15 and 24-31 in the second; then |x| likewise. The
+   lanes of the int32 sums come out as b0, b0, b1, b1, b0, b0, b1, b1, and the scales are laid
+   out so. */
 static const struct layout layout256 = {128, 8};
 
-AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
+/* A block of 32 floats quantized, its int8 in order; its scale in *d. */
+AVX2 static inline __m256i block256(const float *x, float *d) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + i * 8);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    __m256 id = _mm256_set1_ps(scale(_mm_cvtss_f32(m4), d));
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order */
+    __m256i packed =
+        _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
     const int64_t nb = k / 32, pairs = (nb + 1) / 2;
-    int8_t *magnitudes = q + pairs * 64;
-    for (int64_t b = 0; b < nb + nb % 2; b++) {
-        int8_t *xq = q + b / 2 * 64 + b % 2 * 8, *xa = magnitudes + b / 2 * 64 + b % 2 * 8;
-        float *xd = d + b / 2 * 8 + b % 2 * 2;
-        __m256i packed = _mm256_setzero_si256(); /* the zero block beside an odd last one */
-        float db = 0.0f;
-        if (b < nb) {
-            __m256 v[4], m = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(x + b * 32 + i * 8);
-                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            __m256 id = _mm256_set1_ps(scale(_mm_cvtss_f32(m4), &db));
-            __m256i i[4];
-            for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-            /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes in order */
-            packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-            packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        }
-        int64_t eights[4];
-        _mm256_storeu_si256((__m256i *)eights, packed);
-        int64_t magnitude[4];
-        _mm256_storeu_si256((__m256i *)magnitude, _mm256_abs_epi8(packed));
-        static const int at[4] = {0, 32, 16, 48}; /* bytes 0-7, 8-15, 16-23, 24-31 */
-        for (int e = 0; e < 4; e++) {
-            __builtin_memcpy(xq + at[e], eights + e, 8);
-            __builtin_memcpy(xa + at[e], magnitude + e, 8);
-        }
-        xd[0] = xd[1] = xd[4] = xd[5] = db;
+    for (int64_t p = 0; p < pairs; p++) {
+        float d0, d1 = 0.0f; /* an odd last block's partner: zeros */
+        __m256i b0 = block256(x + p * 64, &d0);
+        __m256i b1 = 2 * p + 1 < nb ? block256(x + p * 64 + 32, &d1) : _mm256_setzero_si256();
+        __m256i lo = _mm256_unpacklo_epi64(b0, b1), hi = _mm256_unpackhi_epi64(b0, b1);
+        __m256i *xq = (__m256i *)(q + p * 64), *xa = (__m256i *)(q + (pairs + p) * 64);
+        _mm256_storeu_si256(xq, lo);
+        _mm256_storeu_si256(xq + 1, hi);
+        _mm256_storeu_si256(xa, _mm256_abs_epi8(lo));
+        _mm256_storeu_si256(xa + 1, _mm256_abs_epi8(hi));
+        _mm256_storeu_ps(d + p * 8, _mm256_setr_ps(d0, d0, d1, d1, d0, d0, d1, d1));
     }
 }
 
@@ -207,13 +206,16 @@ TILE(AVX512, tile512, rows512)
 AVX2 INLINE void pair256(__m256i w0, __m256i w1, uint64_t d0, uint64_t d1, const int n,
                          const int8_t *q, size_t q_row, const float *d, size_t d_row, __m256 *acc) {
     const __m256i lo = _mm256_unpacklo_epi64(w0, w1), hi = _mm256_unpackhi_epi64(w0, w1);
-    const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi64x((long long)(d0 | d0 << 16 | d1 << 32 | d1 << 48)));
-    const size_t magnitudes = q_row / 2;
+    const __m128i d4 = _mm_set1_epi64x((long long)(d0 | d0 << 16 | d1 << 32 | d1 << 48));
+    const __m256 dw = _mm256_cvtph_ps(d4);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < n; r++) {
-        const __m256i *xq = (const __m256i *)(q + r * q_row), *xa = (const __m256i *)(q + r * q_row + magnitudes);
-        __m256i plo = _mm256_maddubs_epi16(_mm256_loadu_si256(xa), _mm256_sign_epi8(lo, _mm256_loadu_si256(xq)));
-        __m256i phi = _mm256_maddubs_epi16(_mm256_loadu_si256(xa + 1), _mm256_sign_epi8(hi, _mm256_loadu_si256(xq + 1)));
-        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i *xq = (const __m256i *)(q + r * q_row);
+        const __m256i *xa = (const __m256i *)(q + r * q_row + q_row / 2); /* |x| */
+        __m256i plo = _mm256_maddubs_epi16(_mm256_loadu_si256(xa),
+                                           _mm256_sign_epi8(lo, _mm256_loadu_si256(xq)));
+        __m256i phi = _mm256_maddubs_epi16(_mm256_loadu_si256(xa + 1),
+                                           _mm256_sign_epi8(hi, _mm256_loadu_si256(xq + 1)));
         __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
         __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(d + r * d_row));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
@@ -235,8 +237,8 @@ AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d
                     q + b * 32, q_row, d + b * 4, d_row, acc);
         }
         if (b < nb) /* an odd last block */
-            pair256(_mm256_loadu_si256((const __m256i *)wr[b].qs), _mm256_setzero_si256(), wr[b].d, 0,
-                    n, q + b * 32, q_row, d + b * 4, d_row, acc);
+            pair256(_mm256_loadu_si256((const __m256i *)wr[b].qs), _mm256_setzero_si256(),
+                    wr[b].d, 0, n, q + b * 32, q_row, d + b * 4, d_row, acc);
         for (int r = 0; r < n; r++) {
             __m128 s = _mm_add_ps(_mm256_extractf128_ps(acc[r], 1), _mm256_castps256_ps128(acc[r]));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -263,7 +265,8 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
                     const struct layout *layout, tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
-    const size_t q_row = (size_t)(nb + 1) / 2 * layout->bytes, d_row = (size_t)(nb + 1) / 2 * layout->floats;
+    const size_t pairs = (size_t)(nb + 1) / 2;
+    const size_t q_row = pairs * layout->bytes, d_row = pairs * layout->floats;
     const int chunks = (int)((m + CHUNK_ROWS - 1) / CHUNK_ROWS);
     int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
     float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
@@ -282,7 +285,8 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
             for (int64_t r = 0; r < n; r += ROWS) {
                 int count = n - r < ROWS ? (int)(n - r) : ROWS;
                 float *out = (float *)dst->data + r * dst_row;
-                tile(weights, nb, q_row, d_row, count, q + r * q_row, d + r * d_row, out, dst_row, r0, r1);
+                tile(weights, nb, q_row, d_row, count, q + r * q_row, d + r * d_row, out,
+                     dst_row, r0, r1);
             }
         }
     }
