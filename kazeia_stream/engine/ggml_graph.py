@@ -104,8 +104,8 @@ class _Tensors:
 
 
 class ArrayTensor(_Tensors):
-    """A ggml tensor over a numpy array in C order, in place, which the caller keeps: a float32
-    array, or the bytes of a tensor of type `qtype` and numpy `shape`."""
+    """A ggml tensor over a numpy array in C order, in place (the array is kept alive with it):
+    a float32 array, or the bytes of a tensor of type `qtype` and numpy `shape`."""
 
     def __init__(self, array: np.ndarray, qtype: QType = QType.F32, shape: Sequence[int] = ()) -> None:
         shape = shape or array.shape
@@ -113,6 +113,7 @@ class ArrayTensor(_Tensors):
             raise ValueError(f"an array in C order holding {qtype.name} {tuple(shape)} is needed")
         if qtype == QType.F32 and array.dtype != np.float32:
             raise ValueError("a float32 array is needed")
+        self.array = array  # a temporary's memory would be freed under the tensor
         start = array.ctypes.data
         base = start - start % _ALIGN  # a buffer must start aligned; the tensor need not
         super().__init__(1, base, start - base + array.nbytes)
