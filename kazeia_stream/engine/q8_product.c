@@ -65,8 +65,8 @@ __attribute__((target("f16c"))) static inline float scale(float amax, float *d) 
     return amax != 0.0f ? 127.0f / amax : 0.0f;
 }
 
-/* How a variant lays out a row of x once quantized, per pair of blocks (a row's odd last block
-   is paired with a zero one): bytes of int8 and floats of scales. */
+/* How a variant lays out a row of x once quantized, per pair of blocks (a row with an odd
+   count of blocks takes the room of one more): bytes of int8 and floats of scales. */
 struct layout {
     int bytes, floats;
 };
