@@ -19,7 +19,7 @@ one product of the scales and one fmadd serve both, and each row signs the weigh
 instead of the weights' magnitudes being taken: on Zen 1 a third faster than a block a
 register from registers (`tools/mac_rate.c`), 1.2x from memory. A row's numbers do not
 depend on the rows beside it (the engines' batched streams rely on it), and they are within
-float rounding of ggml's (2e-7 of the largest output: the rows are quantized as ggml does, per
+float rounding of ggml's (1-3e-7 of the largest output: the rows are quantized as ggml does, per
 block of 32 to int8).
 
 A plain shared library that setuptools builds at install with the package (optional: without
