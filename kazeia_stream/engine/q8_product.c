@@ -135,20 +135,20 @@ AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
 /* dst[r][row] for weight rows [r0, r1) and rows r of x in [0, n), n <= ROWS: x's rows of
    q_row int8 and d_row scales, as the variant's layout. */
 typedef void tile_fn(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n,
-                     const int8_t *q, const float *d8, float *dst, size_t dst_row, int64_t r0,
+                     const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
                      int64_t r1);
 
 /* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
 #define INLINE static inline __attribute__((always_inline))
 #define TILE(target, name, rows)                                                                \
-    target static void name(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n,  \
-                            const int8_t *q, const float *d8, float *dst, size_t dst_row,        \
+    target static void name(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n, \
+                            const int8_t *q, const float *d, float *dst, size_t dst_row,        \
                             int64_t r0, int64_t r1) {                                           \
         switch (n) {                                                                            \
-        case 1: rows(w, nb, q_row, d_row, 1, q, d8, dst, dst_row, r0, r1); break;               \
-        case 2: rows(w, nb, q_row, d_row, 2, q, d8, dst, dst_row, r0, r1); break;               \
-        case 3: rows(w, nb, q_row, d_row, 3, q, d8, dst, dst_row, r0, r1); break;               \
-        default: rows(w, nb, q_row, d_row, ROWS, q, d8, dst, dst_row, r0, r1); break;           \
+        case 1: rows(w, nb, q_row, d_row, 1, q, d, dst, dst_row, r0, r1); break;                \
+        case 2: rows(w, nb, q_row, d_row, 2, q, d, dst, dst_row, r0, r1); break;                \
+        case 3: rows(w, nb, q_row, d_row, 3, q, d, dst, dst_row, r0, r1); break;                \
+        default: rows(w, nb, q_row, d_row, ROWS, q, d, dst, dst_row, r0, r1); break;            \
         }                                                                                       \
     }
 
