@@ -261,6 +261,12 @@ class Allocator:
     __del__ = close
 
 
+class _Claims(ctypes.Structure):
+    """An operation's count of the chunks of weight rows its threads took (`struct claims`)."""
+
+    _fields_ = [("next", ctypes.c_int), ("done", ctypes.c_int)]
+
+
 class Graph:
     """One graph: ops added in the order they run (each is expanded into the graph as it is
     made: a read of the KV cache through a view comes after the same layer's `set_rows`, which
@@ -314,6 +320,15 @@ class Graph:
             self._userdata.append(userdata)
             data = ctypes.cast(ctypes.byref(userdata), ctypes.c_void_p)
         return self._op(ggml.ggml_custom_4d(self._ctx, QType.F32, *sizes, srcs, len(args), fn, -1, data))
+
+    def product(self, fn: int, w: Tensor, x: Tensor) -> Tensor:
+        """w @ x [out, n] for the float32 columns of x [in, n] (each contiguous), by the C
+        function at `fn`: a ggml custom operation of ours whose threads claim chunks of w's
+        rows (`struct claims`, engine/ggml_op.h)."""
+        assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
+        if strides(x)[0] != 4:
+            x = self.cont(x)
+        return self.custom(fn, (dims(w)[1], dims(x)[1]), [w, x], _Claims())
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))

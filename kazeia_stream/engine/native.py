@@ -6,6 +6,7 @@ it replaces runs (ggml's kernels, numpy)."""
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import cache
 from typing import Any
 
@@ -35,3 +36,18 @@ def function(name: str, variant: str, op: str = "") -> Any:
     lib = library(name)
     assert lib is not None and variant in variants(name), (name, variant)
     return getattr(lib, f"kz_{name}_{op}_{variant}" if op else f"kz_{name}_{variant}")  # a ctypes function
+
+
+def chosen(name: str, env: str) -> str | None:
+    """The variant of library `name` that the engines use: the best this CPU runs, unless the
+    environment variable `env` says otherwise ("0": none, a variant's name: that one, where it
+    runs); None for ggml's kernels."""
+    wanted, runs = os.environ.get(env), variants(name)
+    if wanted == "0" or not runs:
+        return None
+    return wanted if wanted in runs else runs[0]
+
+
+def address(name: str, variant: str) -> int:
+    """The address of library `name`'s kernel `kz_{name}_{variant}` (a ggml custom operation)."""
+    return ctypes.cast(function(name, variant), ctypes.c_void_p).value or 0

@@ -7,30 +7,13 @@
    256-bit register, interleaved eight bytes at a time so that one conversion and one fmadd
    scale both. A row of dst is summed in one order whatever n is, so a
    sequence's numbers do not depend on the rows computed beside it. ggml's threads take chunks
-   of 64 weight rows in turn (a counter of the operation's own, `struct claims`: a thread that
-   another process or the codec decoder holds back leaves its share to the others, as ggml's
-   own products do) and read each from memory once, in tiles of 16 rows that stay in the cache
-   while every row of x passes (four at a time). */
+   of 64 weight rows in turn (`claim`, ggml_op.h) and read each from memory once, in tiles of
+   16 rows that stay in the cache while every row of x passes (four at a time). */
 
 #include <immintrin.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-/* The leading fields of struct ggml_tensor (ggml.h of llama-cpp-python 0.3.36). */
-struct tensor {
-    int type;
-    void *buffer;
-    int64_t ne[4];
-    size_t nb[4];
-    int op;
-    int32_t op_params[16];
-    int32_t flags;
-    struct tensor *src[10];
-    struct tensor *view_src;
-    size_t view_offs;
-    void *data;
-};
+#include "ggml_op.h"
 
 typedef struct {
     uint16_t d;
@@ -39,7 +22,6 @@ typedef struct {
 
 #define ROWS 4         /* rows of x per pass over a weight row (registers) */
 #define TILE_ROWS 16   /* weight rows per tile: they stay in L1 while every row of x passes */
-#define CHUNK_ROWS 64  /* weight rows a thread claims at a time */
 #define PREFETCH 8192  /* bytes ahead in the weights: one core reads at memory speed */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -249,15 +231,6 @@ AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d
 
 TILE(AVX2, tile256, rows256)
 
-/* The chunks of one operation's weight rows that its threads have claimed, and the threads
-   that found none left: the last of those starts the count again for the operation's next run
-   (ggml runs a graph's next operation, and a graph again, only once every thread is done with
-   this one). One per operation (its userdata), zeroed by the caller. */
-struct claims {
-    int next;
-    int done;
-};
-
 /* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
    weights, src[1] x, on one variant's quantizer, layout and tiles. */
 static void product(struct tensor *dst, int nth, struct claims *claims,
@@ -267,7 +240,6 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
     const size_t pairs = (size_t)(nb + 1) / 2;
     const size_t q_row = pairs * layout->bytes, d_row = pairs * layout->floats;
-    const int chunks = (int)((m + CHUNK_ROWS - 1) / CHUNK_ROWS);
     int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
     float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
     if (q == NULL || d == NULL) abort(); /* as ggml does when memory runs out */
@@ -277,9 +249,7 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
     }
     const size_t dst_row = dst->nb[1] / sizeof(float);
     const block_q8_0 *weights = w->data;
-    for (int c; (c = __atomic_fetch_add(&claims->next, 1, __ATOMIC_RELAXED)) < chunks;) {
-        const int64_t first = (int64_t)c * CHUNK_ROWS;
-        const int64_t last = first + CHUNK_ROWS < m ? first + CHUNK_ROWS : m;
+    for (int64_t first, last; claim(claims, m, &first, &last);) {
         for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
             int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
             for (int64_t r = 0; r < n; r += ROWS) {
@@ -290,10 +260,7 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
             }
         }
     }
-    if (__atomic_fetch_add(&claims->done, 1, __ATOMIC_ACQ_REL) == nth - 1) {
-        __atomic_store_n(&claims->next, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&claims->done, 0, __ATOMIC_RELEASE);
-    }
+    claimed(claims, nth);
     free(q);
     free(d);
 }

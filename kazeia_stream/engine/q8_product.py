@@ -29,8 +29,6 @@ a C compiler the products stay on ggml's kernels, as on a CPU without AVX2, or w
 
 from __future__ import annotations
 
-import ctypes
-import os
 from functools import cache
 
 from gguf import GGMLQuantizationType as QType
@@ -50,10 +48,7 @@ def variants() -> tuple[str, ...]:
 def chosen() -> str | None:
     """The variant the engines use: the best this CPU runs, unless `KAZEIA_Q8_KERNEL` says
     otherwise; None for ggml's kernels."""
-    wanted, runs = os.environ.get(ENV), variants()
-    if wanted == "0" or not runs:
-        return None
-    return wanted if wanted in runs else runs[0]
+    return native.chosen("q8_product", ENV)
 
 
 def available() -> bool:
@@ -75,19 +70,9 @@ def takes(w: Tensor) -> bool:
 def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
     """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
     (default: the chosen one)."""
-    assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
-    if strides(x)[0] != 4:
-        x = g.cont(x)  # the kernel reads each column contiguous
     variant = variant or chosen()
     assert variant is not None, "the kernel does not run here"
-    op = ctypes.cast(native.function("q8_product", variant), ctypes.c_void_p).value or 0
-    return g.custom(op, (dims(w)[1], dims(x)[1]), [w, x], _Claims())
-
-
-class _Claims(ctypes.Structure):
-    """An operation's count of the chunks of weight rows its threads took (`struct claims`)."""
-
-    _fields_ = [("next", ctypes.c_int), ("done", ctypes.c_int)]
+    return g.product(native.address("q8_product", variant), w, x)
 
 
 def _bench(argv: list[str] | None = None) -> None:
