@@ -56,7 +56,7 @@ from threadpoolctl import ThreadpoolController
 
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from . import heap, snake, winograd
+from . import f32_product, heap, snake, winograd
 from .ggml_graph import Allocator, ArrayTensor, Graph, prefault, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS
 
@@ -73,8 +73,10 @@ DILATIONS = (1, 3, 9)  # residual units of each decoder block (hard-coded upstre
 MAX_FRAMES_PER_PASS = 16
 # `push_many` runs this many decoder blocks (and the layers before them) on all the streams'
 # columns at once; the later ones per stream (their many columns make the multiplications the
-# cost, not the weight reads: batching them measured slower).
-JOINT_BLOCKS = 1
+# cost, not the weight reads: batching them measured slower). The second block's products of
+# 40-45 columns a frame share their weights once they run on our kernel (`f32_product`): four
+# streams, Zen 4, 45.0-45.7 against 47.1-48.6 ms a stream-frame with the first block alone.
+JOINT_BLOCKS = 2
 # OpenBLAS' SkylakeX-family cores multiply a small product (M * N * K <= 100^3) with a kernel
 # that packs nothing. With a few columns, packing the weights is most of an sgemm's cost: W @ X
 # in row blocks of that size measured 1.3-2x faster than one sgemm from 2 to 32 columns (as
@@ -171,15 +173,15 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
 
 
 class Matrix:
-    """A weight W [out, in] (float32) and W @ X: on ggml's kernels once `allocator` is set (the
+    """A weight W [out, in] (float32) and W @ X: on ggml's graphs once `allocator` is set (the
     decoder's compute buffer, which it sets for the layers of few columns per frame,
     `GGML_COLUMNS`), which read W in place; else on numpy's BLAS. A column's numbers must not
-    depend on the columns that come with it (other frames of a push, other streams): ggml's
-    several-column kernel gives the same numbers for any count of at least two, its one-column
-    kernel others, so a layer of one column per frame (`by_column`) takes every column through
-    the one-column kernel (ggml does when the columns are not contiguous: they are read with a
-    row of padding); numpy's depend on the count, and the decoder calls those layers with one
-    frame's columns at a time."""
+    depend on the columns that come with it (other frames of a push, other streams). On our
+    kernel (`f32_product`) they never do. Else, on ggml's: its several-column kernel gives the
+    same numbers for any count of at least two, its one-column kernel others, so a layer of one
+    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
+    when the columns are not contiguous: they are read with a row of padding). numpy's depend
+    on the count, and the decoder calls those layers with one frame's columns at a time."""
 
     def __init__(self, w: np.ndarray) -> None:
         self.array = np.ascontiguousarray(w, dtype=F32)
@@ -207,20 +209,24 @@ class Matrix:
             self._graph(n)
 
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
-        """The product's graph for n columns: one mul_mat, its input [n, in] and output
-        [n, out] (ggml's column-major orientation) as numpy views. `by_column`, the input's rows
-        are padded and the product reads a view of them (not contiguous: llamafile's
-        several-column kernel declines it, and ggml's own loop takes each column alone)."""
+        """The product's graph for n columns: one product, its input [n, in] and output
+        [n, out] (ggml's column-major orientation) as numpy views. On our kernel where it runs
+        (`f32_product`: a column's numbers the same beside any others); else on ggml's, and
+        `by_column` the input's rows are padded and the product reads a view of them (not
+        contiguous: llamafile's several-column kernel declines it, and ggml's own loop takes
+        each column alone)."""
         assert self.allocator is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
-            m, k = self.array.shape
-            width = k + _ROW_PAD if self.by_column else k
+            w, (m, k) = self._tensor.tensor, self.array.shape
+            ours = f32_product.takes(w)
+            by_column = self.by_column and not ours
+            width = k + _ROW_PAD if by_column else k
             g = Graph(4)
             x = g.input(QType.F32, (n, width))
-            columns = g.view(x, (k, n), (strides(x)[1],)) if self.by_column else x
-            y = g.output(g.mul_mat(self._tensor.tensor, columns))
+            columns = g.view(x, (k, n), (strides(x)[1],)) if by_column else x
+            y = g.output(f32_product.product(g, w, columns) if ours else g.mul_mat(w, columns))
             g.allocate(self.allocator)
             self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
         return self._graphs[n]

@@ -1,0 +1,167 @@
+/* Float32 weights times float32 columns, as a ggml custom operation (see f32_product.py for why).
+
+   dst [n, m] = w [m, k] @ x [k, n] (each column of x, and each row of dst, contiguous). Lanes
+   over k: every element of dst has a vector accumulator of its own (16 lanes on AVX-512, 8 on
+   AVX2), fed its products in the order of k and summed across its lanes in one fixed order at
+   the end, so a column's numbers do not depend on how many columns come with it or where it
+   sits among them. Tiles of 4 weight rows by a few columns share their loads; ggml's threads
+   claim chunks of weight rows in turn (`claim`, ggml_op.h), each read from memory once while
+   every column passes. */
+
+#include <immintrin.h>
+
+#include "ggml_op.h"
+
+#define ROWS 4 /* weight rows per tile */
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* The variant this CPU runs: 2 AVX-512, 1 AVX2, 0 neither. */
+int kz_f32_product_level(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
+}
+
+/* Where a tile reads and writes: w's rows [i0, i0 + rm), x's columns [j0, j0 + rn). */
+struct operands {
+    const float *w, *x;
+    float *dst;
+    size_t w_row, x_row, dst_row; /* in floats */
+    int64_t k;
+};
+
+/* AVX-512: up to ROWS x COLS512 accumulators (16 of the 32 registers). */
+#define COLS512 4
+
+AVX512 INLINE void tile512(const struct operands *o, int64_t i0, int64_t j0, const int rm,
+                           const int rn) {
+    __m512 acc[ROWS][COLS512];
+    for (int a = 0; a < rm; a++)
+        for (int b = 0; b < rn; b++) acc[a][b] = _mm512_setzero_ps();
+    const float *w = o->w + i0 * o->w_row, *x = o->x + j0 * o->x_row;
+    int64_t l = 0;
+    for (; l + 16 <= o->k; l += 16) {
+        __m512 wv[ROWS];
+        for (int a = 0; a < rm; a++) wv[a] = _mm512_loadu_ps(w + a * o->w_row + l);
+        for (int b = 0; b < rn; b++) {
+            __m512 xv = _mm512_loadu_ps(x + b * o->x_row + l);
+            for (int a = 0; a < rm; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);
+        }
+    }
+    if (l < o->k) { /* the last lanes: zeros beyond k */
+        const __mmask16 mask = (__mmask16)((1u << (o->k - l)) - 1);
+        __m512 wv[ROWS];
+        for (int a = 0; a < rm; a++) wv[a] = _mm512_maskz_loadu_ps(mask, w + a * o->w_row + l);
+        for (int b = 0; b < rn; b++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + b * o->x_row + l);
+            for (int a = 0; a < rm; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);
+        }
+    }
+    for (int a = 0; a < rm; a++)
+        for (int b = 0; b < rn; b++)
+            o->dst[(j0 + b) * o->dst_row + i0 + a] = _mm512_reduce_add_ps(acc[a][b]);
+}
+
+/* AVX2: up to ROWS x COLS256 accumulators (12 of the 16 registers). */
+#define COLS256 3
+
+AVX2 INLINE float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+AVX2 INLINE void tile256(const struct operands *o, int64_t i0, int64_t j0, const int rm,
+                         const int rn) {
+    __m256 acc[ROWS][COLS256];
+    for (int a = 0; a < rm; a++)
+        for (int b = 0; b < rn; b++) acc[a][b] = _mm256_setzero_ps();
+    const float *w = o->w + i0 * o->w_row, *x = o->x + j0 * o->x_row;
+    int64_t l = 0;
+    for (; l + 8 <= o->k; l += 8) {
+        __m256 wv[ROWS];
+        for (int a = 0; a < rm; a++) wv[a] = _mm256_loadu_ps(w + a * o->w_row + l);
+        for (int b = 0; b < rn; b++) {
+            __m256 xv = _mm256_loadu_ps(x + b * o->x_row + l);
+            for (int a = 0; a < rm; a++) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);
+        }
+    }
+    if (l < o->k) { /* the last lanes: zeros beyond k */
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(o->k - l)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 wv[ROWS];
+        for (int a = 0; a < rm; a++) wv[a] = _mm256_maskload_ps(w + a * o->w_row + l, mask);
+        for (int b = 0; b < rn; b++) {
+            __m256 xv = _mm256_maskload_ps(x + b * o->x_row + l, mask);
+            for (int a = 0; a < rm; a++) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);
+        }
+    }
+    for (int a = 0; a < rm; a++)
+        for (int b = 0; b < rn; b++) o->dst[(j0 + b) * o->dst_row + i0 + a] = sum256(acc[a][b]);
+}
+
+/* tile(o, i, j, rm, rn) for rn of 1..COLS512 or 1..COLS256, each count's body inlined */
+#define COLUMNS512(tile, o, i, j, rm, rn)            \
+    switch (rn) {                                    \
+    case 1: tile(o, i, j, rm, 1); break;             \
+    case 2: tile(o, i, j, rm, 2); break;             \
+    case 3: tile(o, i, j, rm, 3); break;             \
+    default: tile(o, i, j, rm, COLS512); break;      \
+    }
+#define COLUMNS256(tile, o, i, j, rm, rn)            \
+    if (rn == 1) tile(o, i, j, rm, 1);               \
+    else if (rn == 2) tile(o, i, j, rm, 2);          \
+    else tile(o, i, j, rm, COLS256);
+
+/* Weight rows [r0, r1) by every column: tiles of ROWS rows (then the rows left one at a time)
+   by `cols` columns (then the columns left). A lone column takes the rows one at a time: the
+   weights then stream from memory in order (four rows at once read them at 12 GB/s on Zen 4,
+   ggml's row at a time at 21; the numbers are the same either way). */
+#define ROWS_BY(target, name, tile, cols, columns)                                          \
+    target static void name(const struct operands *o, int64_t r0, int64_t r1, int64_t n) { \
+        for (int64_t i = r0; i < r1;) {                                                     \
+            const int rm = n > 1 && r1 - i >= ROWS ? ROWS : 1;                              \
+            for (int64_t j = 0; j < n; j += cols) {                                         \
+                const int rn = n - j < cols ? (int)(n - j) : cols;                          \
+                if (rm == ROWS) {                                                           \
+                    columns(tile, o, i, j, ROWS, rn)                                        \
+                } else {                                                                    \
+                    columns(tile, o, i, j, 1, rn)                                           \
+                }                                                                           \
+            }                                                                               \
+            i += rm;                                                                        \
+        }                                                                                   \
+    }
+
+ROWS_BY(AVX512, rows512, tile512, COLS512, COLUMNS512)
+ROWS_BY(AVX2, rows256, tile256, COLS256, COLUMNS256)
+
+/* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
+   weights, src[1] x, on one variant's tiles. */
+static void product(struct tensor *dst, int nth, struct claims *claims,
+                    void (*rows)(const struct operands *, int64_t, int64_t, int64_t)) {
+    const struct tensor *w = dst->src[0], *x = dst->src[1];
+    const struct operands o = {
+        .w = w->data,
+        .x = x->data,
+        .dst = dst->data,
+        .w_row = w->nb[1] / sizeof(float),
+        .x_row = x->nb[1] / sizeof(float),
+        .dst_row = dst->nb[1] / sizeof(float),
+        .k = w->ne[0],
+    };
+    for (int64_t first, last; claim(claims, w->ne[1], &first, &last);) rows(&o, first, last, x->ne[1]);
+    claimed(claims, nth);
+}
+
+void kz_f32_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
+    (void)ith;
+    product(dst, nth, claims, rows512);
+}
+
+void kz_f32_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
+    (void)ith;
+    product(dst, nth, claims, rows256);
+}

@@ -1,0 +1,60 @@
+"""Float32 weights times float32 columns on a kernel of our own (`f32_product.c`), as a ggml
+custom operation: the codec decoder's products of few columns a frame (`codec.Matrix`).
+
+Two reasons. ggml's float32 kernels give a column other numbers alone (its one-column kernel)
+than beside others (llamafile's tiles), so the decoder took a layer of one column a frame
+through the one-column kernel column by column, even for several streams' columns; this
+kernel sums every element of the product in one order whatever the columns beside it, so
+several streams, and several frames, share one product bit for bit. And it is faster on the
+decoder's shapes: on Zen 4, each timed alone through a graph (768x768 by 9 and 36 columns,
+384x384 by 40 and 160, 3840x768 by 32, 192x192 by 160), 32-38 G multiply-adds a second on
+llamafile's tiles, 42-50 G on the AVX-512 variant, 44-52 G on the AVX2 one (README,
+"Measured", 2026-12-04 evening).
+
+A plain shared library that setuptools builds at install with the package (optional: without a
+C compiler, or on a CPU without AVX2, or with `KAZEIA_F32_KERNEL=0`, the products run on
+ggml's kernels; `KAZEIA_F32_KERNEL=avx2` holds a CPU with AVX-512 to the AVX2 variant). The
+variants sum in lanes of 16 and 8: each gives its own numbers, within float rounding.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from gguf import GGMLQuantizationType as QType
+
+from . import native
+from .ggml_graph import Graph, Tensor, dims, strides, type_of
+
+ENV = "KAZEIA_F32_KERNEL"  # "0": ggml's kernels; "avx2": our AVX2 variant
+
+
+def variants() -> tuple[str, ...]:
+    """The variants of the kernel this CPU runs, best first (none where it was not built)."""
+    return native.variants("f32_product")
+
+
+@cache
+def chosen() -> str | None:
+    """The variant the decoder uses: the best this CPU runs, unless `KAZEIA_F32_KERNEL` says
+    otherwise; None for ggml's kernels."""
+    return native.chosen("f32_product", ENV)
+
+
+def takes(w: Tensor) -> bool:
+    """Whether the kernel multiplies weight `w`: a float32 matrix with its rows in place, where
+    the kernel runs."""
+    return (
+        type_of(w) == QType.F32
+        and dims(w)[2:] == (1, 1)
+        and strides(w)[1] == dims(w)[0] * 4
+        and chosen() is not None
+    )
+
+
+def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
+    """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
+    (default: the chosen one)."""
+    variant = variant or chosen()
+    assert variant is not None, "the kernel does not run here"
+    return g.product(native.address("f32_product", variant), w, x)
