@@ -66,7 +66,7 @@ def test_the_decoder_s_products_of_few_columns_run_on_it(weight):
     several (the padded one-column path is ggml's only)."""
     _, array = weight
     matrix = Matrix(array)
-    matrix.allocator, matrix.by_column = Allocator(), True
+    matrix.allocator, matrix.by_column, matrix.variant = Allocator(), True, f32_product.chosen()
     x = np.random.default_rng(3).standard_normal((array.shape[1], 4), dtype=np.float32)
     together = matrix(x)
     assert np.array_equal(together[:, :1], matrix(np.ascontiguousarray(x[:, :1])))

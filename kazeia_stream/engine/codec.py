@@ -187,6 +187,7 @@ class Matrix:
         self.array = np.ascontiguousarray(w, dtype=F32)
         self.allocator: Allocator | None = None
         self.by_column = False
+        self.variant: str | None = None  # our float32 kernel's, where the decoder's load chose it
         self._tensor: ArrayTensor | None = None
         self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
@@ -210,7 +211,7 @@ class Matrix:
 
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
         """The product's graph for n columns: one product, its input [n, in] and output
-        [n, out] (ggml's column-major orientation) as numpy views. On our kernel where it runs
+        [n, out] (ggml's column-major orientation) as numpy views. On our kernel's `variant`
         (`f32_product`: a column's numbers the same beside any others); else on ggml's, and
         `by_column` the input's rows are padded and the product reads a view of them (not
         contiguous: llamafile's several-column kernel declines it, and ggml's own loop takes
@@ -220,13 +221,15 @@ class Matrix:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
             w, (m, k) = self._tensor.tensor, self.array.shape
-            ours = f32_product.takes(w)
-            by_column = self.by_column and not ours
+            by_column = self.by_column and self.variant is None
             width = k + _ROW_PAD if by_column else k
             g = Graph(4)
             x = g.input(QType.F32, (n, width))
             columns = g.view(x, (k, n), (strides(x)[1],)) if by_column else x
-            y = g.output(f32_product.product(g, w, columns) if ours else g.mul_mat(w, columns))
+            if self.variant is not None:
+                y = g.output(f32_product.product(g, w, columns, self.variant))
+            else:
+                y = g.output(g.mul_mat(w, columns))
             g.allocate(self.allocator)
             self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
@@ -847,6 +850,7 @@ class CodecDecoder:
         for matrix, columns in self.products():
             if columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
+                matrix.variant = f32_product.chosen()
             prefault(matrix.array)  # the weights used in place: the first frame is heard first
         for _ in range(2):  # a frame's graphs too; again where the buffer's growth left one stale
             for matrix, columns in self.products():

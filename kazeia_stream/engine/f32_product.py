@@ -21,10 +21,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from gguf import GGMLQuantizationType as QType
-
 from . import native
-from .ggml_graph import Graph, Tensor, dims, strides, type_of
+from .ggml_graph import Graph, Tensor
 
 ENV = "KAZEIA_F32_KERNEL"  # "0": ggml's kernels; "avx2": our AVX2 variant
 
@@ -36,25 +34,14 @@ def variants() -> tuple[str, ...]:
 
 @cache
 def chosen() -> str | None:
-    """The variant the decoder uses: the best this CPU runs, unless `KAZEIA_F32_KERNEL` says
-    otherwise; None for ggml's kernels."""
+    """The variant the decoder uses (fixed at its load): the best this CPU runs, unless
+    `KAZEIA_F32_KERNEL` says otherwise; None for ggml's kernels."""
     return native.chosen("f32_product", ENV)
 
 
-def takes(w: Tensor) -> bool:
-    """Whether the kernel multiplies weight `w`: a float32 matrix with its rows in place, where
-    the kernel runs."""
-    return (
-        type_of(w) == QType.F32
-        and dims(w)[2:] == (1, 1)
-        and strides(w)[1] == dims(w)[0] * 4
-        and chosen() is not None
-    )
-
-
 def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
-    """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
-    (default: the chosen one)."""
+    """w @ x for a float32 matrix w [in, out] with its rows in place and the float32 columns of
+    x [in, n]: [out, n], on `variant` (default: the chosen one)."""
     variant = variant or chosen()
     assert variant is not None, "the kernel does not run here"
     return g.product(native.address("f32_product", variant), w, x)
