@@ -4,26 +4,15 @@ count."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import pytest
+from kernels import on_each_variant
 
-from kazeia_stream.engine import f32_product, native
+from kazeia_stream.engine import f32_product
 from kazeia_stream.engine.codec import Matrix
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, products
 
-pytestmark = pytest.mark.skipif(
-    not f32_product.variants(), reason="the kernel is not built, or this CPU lacks AVX2"
-)
-
-
-@pytest.fixture(params=native.VARIANTS)
-def op(request):
-    """Our product on one variant of the kernel (skipped where this CPU does not run it)."""
-    if request.param not in f32_product.variants():
-        pytest.skip(f"this CPU does not run the {request.param} variant")
-    return partial(f32_product.product, variant=request.param)
+pytestmark, op = on_each_variant(f32_product)
 
 
 @pytest.fixture(scope="module", params=[(37, 100), (130, 768)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
+from kernels import on_each_variant
 
-from kazeia_stream.engine import native, q8_product
+from kazeia_stream.engine import q8_product
 from kazeia_stream.engine.ggml_graph import (
     Allocator,
     ArrayTensor,
@@ -22,17 +23,7 @@ from kazeia_stream.engine.ggml_graph import (
     view_of,
 )
 
-pytestmark = pytest.mark.skipif(
-    not q8_product.variants(), reason="the kernel is not built, or this CPU lacks AVX2"
-)
-
-
-@pytest.fixture(params=native.VARIANTS)
-def op(request):
-    """Our product on one variant of the kernel (skipped where this CPU does not run it)."""
-    if request.param not in q8_product.variants():
-        pytest.skip(f"this CPU does not run the {request.param} variant")
-    return partial(q8_product.product, variant=request.param)
+pytestmark, op = on_each_variant(q8_product)
 
 
 @pytest.fixture(scope="module", params=[(200, 96), (64, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
