@@ -20,21 +20,21 @@ bit). The official semantics kept here: negative codes clamp to 0, the transpose
 convolutions trim (k - s) samples on the right only, the sliding window lets a query at t see
 keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
-Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
-a few products W @ X (`Matrix`): on ggml's kernels for the layers of few columns per frame
-(the early stages: they read the weights in place, where OpenBLAS first packs them), on numpy's
-BLAS, one frame's columns at a time, for the others (weights on the left is the fast
-orientation); a convolution tap is a shifted column view of the layer's
-context buffer, which the producer writes into directly. Several streams' activations are
-[channels, time * streams], stream index fastest, so that a tap stays one column view and
-each multiplication reads its weights once for all the streams: the layers whose weights are
-large and columns few (up to the first decoder block) run so, on the streams' states stacked
-for the call; the later blocks run per stream. Each push sets its own BLAS thread count
-(threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small, and
-OpenBLAS' threads spin after each one, taking the core that ggml's threads need (a second BLAS
-thread made the talker's next step ~2x slower, and synthesis of the tiny test models 30-80x).
-The products on ggml's kernels run on one thread (`DECODER_GGML_THREADS`). `python -m
-kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+Layout and speed: activations are channel-major, [channels, time] float32, and every layer is a
+few products W @ X (`Matrix`): in ggml graphs, on our float32 kernel (`f32_product`) or ggml's,
+for the layers of few columns per frame (the early stages: they read the weights in place,
+where OpenBLAS first packs them), on numpy's BLAS, one frame's columns at a time, for the
+others (weights on the left is the fast orientation); a convolution tap is a shifted column
+view of the layer's context buffer, which the producer writes into directly. Several streams'
+activations are [channels, time * streams], stream index fastest, so that a tap stays one
+column view and each multiplication reads its weights once for all the streams: the layers
+whose weights are large and columns few (up to the second decoder block, `JOINT_BLOCKS`) run
+so, on the streams' states stacked for the call; the later blocks run per stream. Each push
+sets its own BLAS thread count (threadpoolctl; one by default, whatever numpy's setting): the
+GEMMs are many and small, and OpenBLAS' threads spin after each one, taking the core that
+ggml's threads need (a second BLAS thread made the talker's next step ~2x slower, and synthesis
+of the tiny test models 30-80x). The products in ggml graphs run on one thread
+(`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -84,7 +84,7 @@ JOINT_BLOCKS = 2
 SMALL_GEMM_MNK = 100**3
 SMALL_GEMM_MAX_COLUMNS = 32
 SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
-# A product of at most this many columns runs on ggml's matrix kernels (`Matrix`), a wider one
+# A product of at most this many columns runs in a ggml graph (`Matrix`), a wider one
 # on numpy's BLAS. OpenBLAS packs the weights before multiplying, at every call; with few
 # columns (the layers up to the first decoder block: 0.33 of the 0.42 GB of weights a frame
 # reads) that copy was most of a product's cost, while ggml's kernels read the weights in
