@@ -8,14 +8,11 @@
    claim chunks of weight rows in turn (`claim`, ggml_op.h), each read from memory once while
    every column passes. */
 
-#include <immintrin.h>
-
 #include "ggml_op.h"
 
 #define ROWS 4 /* weight rows per tile */
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
 
 /* The variant this CPU runs: 2 AVX-512, 1 AVX2, 0 neither. */
 int kz_f32_product_level(void) {
@@ -66,12 +63,6 @@ AVX512 INLINE void tile512(const struct operands *o, int64_t i0, int64_t j0, con
 
 /* AVX2: up to ROWS x COLS256 accumulators (12 of the 16 registers). */
 #define COLS256 3
-
-AVX2 INLINE float sum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 AVX2 INLINE void tile256(const struct operands *o, int64_t i0, int64_t j0, const int rm,
                          const int rn) {

@@ -1,11 +1,15 @@
 /* What our ggml custom operations (q8_product.c, f32_product.c) share: the leading fields of
-   ggml's tensor, and the claims by which ggml's threads take an operation's weight rows. */
+   ggml's tensor, the claims by which ggml's threads take an operation's weight rows, and the
+   sum of a float32 vector's lanes on AVX2. */
 
 #ifndef KZ_GGML_OP_H
 #define KZ_GGML_OP_H
 
+#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
 
 /* The leading fields of struct ggml_tensor (ggml.h of llama-cpp-python 0.3.36). */
 struct tensor {
@@ -51,6 +55,13 @@ static inline void claimed(struct claims *claims, int nth) {
         __atomic_store_n(&claims->next, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&claims->done, 0, __ATOMIC_RELEASE);
     }
+}
+
+/* The sum of v's eight lanes, in one order. */
+__attribute__((target("avx2"))) INLINE float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 #endif

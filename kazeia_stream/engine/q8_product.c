@@ -10,7 +10,6 @@
    of 64 weight rows in turn (`claim`, ggml_op.h) and read each from memory once, in tiles of
    16 rows that stay in the cache while every row of x passes (four at a time). */
 
-#include <immintrin.h>
 #include <stdlib.h>
 
 #include "ggml_op.h"
@@ -121,7 +120,6 @@ typedef void tile_fn(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row
                      int64_t r1);
 
 /* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
-#define INLINE static inline __attribute__((always_inline))
 #define TILE(target, name, rows)                                                                \
     target static void name(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n, \
                             const int8_t *q, const float *d, float *dst, size_t dst_row,        \
@@ -221,11 +219,7 @@ AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d
         if (b < nb) /* an odd last block */
             pair256(_mm256_loadu_si256((const __m256i *)wr[b].qs), _mm256_setzero_si256(),
                     wr[b].d, 0, n, q + b * 32, q_row, d + b * 4, d_row, acc);
-        for (int r = 0; r < n; r++) {
-            __m128 s = _mm_add_ps(_mm256_extractf128_ps(acc[r], 1), _mm256_castps256_ps128(acc[r]));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            dst[r * dst_row + row] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-        }
+        for (int r = 0; r < n; r++) dst[r * dst_row + row] = sum256(acc[r]);
     }
 }
 
