@@ -287,13 +287,23 @@ async def _stream(
 
 def _busy_s(runtime: Runtime) -> dict[str, float]:
     """Seconds each engine's thread has worked so far (`PassStats.busy_s`)."""
-    return {"generator_busy": runtime.generator.stats.busy_s, "decoder_busy": runtime.decoder.stats.busy_s}
+    return {"generator": runtime.generator.stats.busy_s, "decoder": runtime.decoder.stats.busy_s}
 
 
 def _busy_shares(runtime: Runtime, since: dict[str, float], wall: float) -> dict[str, float]:
     """The share of `wall` seconds each engine's thread worked since `since` (`_busy_s`): near
     1 for the engine that limits the others, both near 1 when the cores do."""
-    return {name: round((now - since[name]) / wall, 3) for name, now in _busy_s(runtime).items()}
+    return {f"{name}_busy": round((now - since[name]) / wall, 3) for name, now in _busy_s(runtime).items()}
+
+
+def _ms_per_stream_frame(runtime: Runtime, since: dict[str, float], stream_frames: int) -> dict[str, float]:
+    """Each engine thread's milliseconds of work since `since` (`_busy_s`) per frame of one
+    stream: what a frame costs each engine when streams share its passes, which of the two
+    limits the streams and by how much."""
+    return {
+        f"{name}_ms_per_stream_frame": round(1e3 * (now - since[name]) / stream_frames, 1)
+        for name, now in _busy_s(runtime).items()
+    }
 
 
 async def _together(
@@ -322,6 +332,7 @@ async def _together(
         "aggregate_audio_s_per_s": round(sum(m.audio_s for m in metrics) / wall, 3),
         "wall_s": round(wall, 3),
         **_busy_shares(runtime, busy, wall),
+        **_ms_per_stream_frame(runtime, busy, streams * frames),
     }
 
 

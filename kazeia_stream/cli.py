@@ -360,7 +360,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all{against_solo}, "
             f"RTF per stream {figures['rtf_per_stream']:.2f}; first audio p50 {figures['ttfa_s_p50']:.3f} s, "
             f"p95 {figures['ttfa_s_p95']:.3f} s (alone {figures['solo_ttfa_s']:.3f} s{joined}); "
-            f"{_busy_line(figures)}; "
+            f"{_busy_line(figures)}, {figures['generator_ms_per_stream_frame']:.1f} and "
+            f"{figures['decoder_ms_per_stream_frame']:.1f} ms a stream-frame; "
             f"peak RSS {figures['peak_rss_mb']:.0f} MB",
             figures,
             args.json,

@@ -404,7 +404,16 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     assert 0.99 * rate <= figures["aggregate_audio_s_per_s"] <= 2 * rate
     # the engines' threads worked for part of the rounds' wall time (medians of the rounds)
     assert 0 < figures["generator_busy"] <= 1.05 and 0 < figures["decoder_busy"] <= 1.05
-    busy = f"threads busy: generator {figures['generator_busy']:.0%}, decoder {figures['decoder_busy']:.0%}"
+    # and their work per frame of one stream: the busy share of the wall time over the 3 x 6
+    # stream-frames (medians of two rounds, as above: within 2x of the medians' product)
+    for engine in ("generator", "decoder"):
+        worked_s = figures[f"{engine}_ms_per_stream_frame"] * 3 * 6 / 1e3
+        assert 0.5 * worked_s <= figures[f"{engine}_busy"] * figures["wall_s"] <= 2 * worked_s
+    busy = (
+        f"threads busy: generator {figures['generator_busy']:.0%}, decoder {figures['decoder_busy']:.0%}, "
+        f"{figures['generator_ms_per_stream_frame']:.1f} and {figures['decoder_ms_per_stream_frame']:.1f}"
+        " ms a stream-frame"
+    )
     assert busy in r.stderr.decode()  # the summary line, on stderr beside --json
 
 
