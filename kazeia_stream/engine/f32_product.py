@@ -8,8 +8,8 @@ kernel sums every element of the product in one order whatever the columns besid
 several streams, and several frames, share one product bit for bit. And it is faster on the
 decoder's shapes: on Zen 4, each timed alone through a graph (768x768 by 9 and 36 columns,
 384x384 by 40 and 160, 3840x768 by 32, 192x192 by 160), 31-37 G multiply-adds a second on
-llamafile's tiles, 39-50 G on the AVX-512 variant, 38-52 G on the AVX2 one (README,
-"Measured", 2026-12-04 evening).
+llamafile's tiles, 38-52 G on the AVX2 variant and 38-50 G on the AVX-512 one, whose tiles
+now sum their 16 accumulators together (README, "Measured", 2026-12-04 evening and night).
 
 A plain shared library that setuptools builds at install with the package (optional: without a
 C compiler, or on a CPU without AVX2, or with `KAZEIA_F32_KERNEL=0`, the products run on
