@@ -140,12 +140,51 @@ def test_it_can_be_turned_off_or_held_to_avx2(q8_kernel):
     assert q8_product.chosen() == "avx2"
 
 
-def test_a_q8_0_file_s_matrices_go_to_the_kernel(tiny_runtime):
-    """Every Q8_0 matrix of the talker and the code predictor (all but the code predictor's
-    stacked heads, which ggml's mul_mat_id applies by index)."""
+def test_a_q8_0_file_s_weights_go_to_the_kernel(tiny_runtime):
+    """Every Q8_0 matrix of the talker and the code predictor, and the code predictor's stack
+    of heads (applied by index)."""
     runtime = tiny_runtime("custom_voice", "q8_0")
+    stacks = 0
     for lm in (runtime.talker.lm, runtime.code_predictor.lm):
-        q8 = {n: w for n, w in lm.weights.tensors.items() if type_of(w) == QType.Q8_0}
-        matrices = [n for n, w in q8.items() if dims(w)[2] == 1]
-        assert matrices and all(q8_product.takes(q8[n]) for n in matrices)
-        assert not any(q8_product.takes(w) for n, w in q8.items() if n not in matrices)
+        q8 = [w for w in lm.weights.tensors.values() if type_of(w) == QType.Q8_0]
+        assert q8 and all(q8_product.takes(w) for w in q8)
+        stacks += sum(dims(w)[2] > 1 for w in q8)
+    assert stacks == 1
+
+
+def test_a_stack_s_columns_each_take_their_matrix(op):
+    """Columns that name matrices of a stack (the code predictor's heads, several streams in
+    one product): ggml's mul_mat_id's numbers to float rounding, and each column bit for bit
+    its numbers by its matrix alone, whatever matrices the columns beside it take."""
+    (count, m, k), rng = (3, 70, 96), np.random.default_rng(7)
+    data = quantize(rng.standard_normal((count, m, k), dtype=np.float32), QType.Q8_0)
+    stack = ArrayTensor(data, QType.Q8_0, (count, m, k))
+    matrices = [ArrayTensor(np.ascontiguousarray(data[i]), QType.Q8_0, (m, k)) for i in range(count)]
+    x = rng.standard_normal((9, k), dtype=np.float32)
+    ids = np.array([2, 0, 0, 1, 2, 2, 2, 2, 1], np.int32)
+
+    def run(product):
+        allocator, g = Allocator(), Graph(8)
+        try:
+            columns, index = g.input(QType.F32, (len(x), k)), g.input(QType.I32, (len(x), 1))
+            y = g.output(product(g, columns, index))
+            g.allocate(allocator)
+            view_of(columns, QType.F32, (len(x), k))[...] = x
+            view_of(index, QType.I32, (len(x),))[...] = ids
+            g.compute(2)
+            return view_of(y, QType.F32, (len(x), m)).copy()
+        finally:
+            g.close()
+            allocator.close()
+
+    ours = run(lambda g, columns, index: op(g, stack.tensor, columns, ids=index))
+    ggml = run(
+        lambda g, columns, index: g.reshape(
+            g.mul_mat_id(stack.tensor, g.reshape(columns, k, 1, len(x)), index), m, len(x)
+        )
+    )
+    assert np.abs(ours - ggml).max() <= 1e-6 * np.abs(ggml).max()
+    for i, matrix in enumerate(ids):
+        assert np.array_equal(ours[i], products(matrices[matrix].tensor, x[i : i + 1], Allocator(), 1, op)[0])
+    for tensor in (stack, *matrices):
+        tensor.close()

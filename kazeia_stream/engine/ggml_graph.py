@@ -321,14 +321,16 @@ class Graph:
             data = ctypes.cast(ctypes.byref(userdata), ctypes.c_void_p)
         return self._op(ggml.ggml_custom_4d(self._ctx, QType.F32, *sizes, srcs, len(args), fn, -1, data))
 
-    def product(self, fn: int, w: Tensor, x: Tensor) -> Tensor:
+    def product(self, fn: int, w: Tensor, x: Tensor, ids: Tensor | None = None) -> Tensor:
         """w @ x [out, n] for the float32 columns of x [in, n] (each contiguous), by the C
         function at `fn`: a ggml custom operation of ours whose threads claim chunks of w's
-        rows (`struct claims`, engine/ggml_op.h)."""
+        rows (`struct claims`, engine/ggml_op.h); for a stack of matrices w, `ids` (int32, n in
+        a row) names the one each column takes."""
         assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
         if strides(x)[0] != 4:
             x = self.cont(x)
-        return self.custom(fn, (dims(w)[1], dims(x)[1]), [w, x], _Claims())
+        args = [w, x] if ids is None else [w, x, ids]
+        return self.custom(fn, (dims(w)[1], dims(x)[1]), args, _Claims())
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))

@@ -225,12 +225,23 @@ AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d
 
 TILE(AVX2, tile256, rows256)
 
+/* The matrix of a stack (w->ne[2] of them) that column r of x takes: ids, int32 [n], or the
+   first where there are none. Out of range is a bug of the caller's: abort, as ggml does. */
+static inline int64_t matrix_of(const struct tensor *w, const struct tensor *ids, int64_t r) {
+    if (ids == NULL) return 0;
+    const int64_t id = ((const int32_t *)ids->data)[r];
+    if (id < 0 || id >= w->ne[2]) abort();
+    return id;
+}
+
 /* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
-   weights, src[1] x, on one variant's quantizer, layout and tiles. */
+   weights (a matrix, or a stack of them), src[1] x, src[2] (where w is a stack) the matrix
+   each column takes; on one variant's quantizer, layout and tiles. Columns that take the same
+   matrix one after another pass its rows together, up to ROWS at a time. */
 static void product(struct tensor *dst, int nth, struct claims *claims,
                     void (*quantize)(const float *, int64_t, int8_t *, float *),
                     const struct layout *layout, tile_fn *tile) {
-    const struct tensor *w = dst->src[0], *x = dst->src[1];
+    const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
     const size_t pairs = (size_t)(nb + 1) / 2;
     const size_t q_row = pairs * layout->bytes, d_row = pairs * layout->floats;
@@ -242,14 +253,17 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
         quantize(row, k, q + r * q_row, d + r * d_row);
     }
     const size_t dst_row = dst->nb[1] / sizeof(float);
-    const block_q8_0 *weights = w->data;
     for (int64_t first, last; claim(claims, m, &first, &last);) {
         for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
             int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
-            for (int64_t r = 0; r < n; r += ROWS) {
-                int count = n - r < ROWS ? (int)(n - r) : ROWS;
+            for (int64_t r = 0, count; r < n; r += count) {
+                const int64_t matrix = matrix_of(w, ids, r);
+                for (count = 1; count < ROWS && r + count < n; count++)
+                    if (matrix_of(w, ids, r + count) != matrix) break;
+                const block_q8_0 *weights =
+                    (const block_q8_0 *)((const char *)w->data + matrix * w->nb[2]);
                 float *out = (float *)dst->data + r * dst_row;
-                tile(weights, nb, q_row, d_row, count, q + r * q_row, d + r * d_row, out,
+                tile(weights, nb, q_row, d_row, (int)count, q + r * q_row, d + r * d_row, out,
                      dst_row, r0, r1);
             }
         }

@@ -57,22 +57,24 @@ def available() -> bool:
 
 
 def takes(w: Tensor) -> bool:
-    """Whether the kernel multiplies weight `w`: a Q8_0 matrix (not a stack) with its rows in
-    place, where the kernel runs."""
+    """Whether the kernel multiplies weight `w`: a Q8_0 matrix, or a stack of them, with its
+    rows in place, where the kernel runs."""
     return (
         type_of(w) == QType.Q8_0
-        and dims(w)[2:] == (1, 1)
+        and dims(w)[3] == 1
         and strides(w)[1] == dims(w)[0] // 32 * 34
         and available()
     )
 
 
-def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
+def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None, ids: Tensor | None = None) -> Tensor:
     """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
-    (default: the chosen one)."""
+    (default: the chosen one). For a stack w, `ids` (int32, n in a row) names the matrix each
+    column takes: the code predictor's heads, all the streams' columns in one product."""
     variant = variant or chosen()
     assert variant is not None, "the kernel does not run here"
-    return g.product(native.address("q8_product", variant), w, x)
+    assert (ids is None) == (dims(w)[2] == 1), "a stack's product needs ids, a matrix's none"
+    return g.product(native.address("q8_product", variant), w, x, ids)
 
 
 def _bench(argv: list[str] | None = None) -> None:

@@ -331,18 +331,19 @@ class Qwen3LM:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
-        A Q8_0 matrix multiplies every column at once on our kernel, where it runs
-        (`q8_product`). Else, where ggml's several-column kernel gives each column its
-        one-column numbers (`columns_agree`: Q8_0 here), the columns are multiplied `together`
-        by it, or the first alone and the others together, whichever runs faster on this CPU
-        (`Faster`): on a Zen 5 the several-column kernel read a weight from memory several
-        times slower than the one-column one and about as fast from the cache, where the first
-        product leaves it (4 one-row parts on one thread: 46 against 57 ms for the talker's
-        products); on a Xeon of family 6 model 207 all together was faster (130-143 against
-        178-182 ms). Else each part is multiplied alone, as it would be without the others."""
+        A Q8_0 matrix, or stack (the code predictor's heads), multiplies every column at once
+        on our kernel, where it runs (`q8_product`). Else, where ggml's several-column kernel
+        gives each column its one-column numbers (`columns_agree`: Q8_0 here), the columns
+        are multiplied `together` by it, or the first alone and the others together,
+        whichever runs faster on this CPU (`Faster`): on a Zen 5 the several-column kernel
+        read a weight from memory several times slower than the one-column one and about as
+        fast from the cache, where the first product leaves it (4 one-row parts on one thread:
+        46 against 57 ms for the talker's products); on a Xeon of family 6 model 207 all
+        together was faster (130-143 against 178-182 ms). Else each part is multiplied alone,
+        as it would be without the others."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
-        if index is None and q8_product.takes(w):
-            return q8_product.product(g, w, x)  # all rows at once: each row's numbers its own
+        if q8_product.takes(w):  # all rows at once: each row's numbers its own
+            return q8_product.product(g, w, x, ids=index)
         if index is not None:
             x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
         if rows > 1 and columns_agree(w):
