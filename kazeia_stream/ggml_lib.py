@@ -113,6 +113,10 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "ggml_view_1d": ([_ctx, _t, _i64, _c.c_size_t], _t),
     "ggml_view_2d": ([_ctx, _t, _i64, _i64, _c.c_size_t, _c.c_size_t], _t),
     "ggml_view_3d": ([_ctx, _t, _i64, _i64, _i64, _c.c_size_t, _c.c_size_t, _c.c_size_t], _t),
+    "ggml_view_4d": (
+        [_ctx, _t, _i64, _i64, _i64, _i64, _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_size_t],
+        _t,
+    ),
     "ggml_reshape_2d": ([_ctx, _t, _i64, _i64], _t),
     "ggml_reshape_3d": ([_ctx, _t, _i64, _i64, _i64], _t),
     "ggml_mul_mat": ([_ctx, _t, _t], _t),

@@ -469,9 +469,28 @@ def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_
     for threads in range(1, lm.threads + 1):  # whatever cores others hold then
         lm._together.chosen[4, threads] = together
     hidden, logits = lm.forward_many([(s, step[s], 9) for s in range(4)])
+    assert any(len(layout) == 4 and lm._batched(layout) for layout, *_ in lm._graphs)  # one batch
     for s in range(4):
         alone_hidden, alone_logits = lm.forward_many([(s, step[s], 9)])
         assert np.array_equal(hidden[s], alone_hidden[0]) and np.array_equal(logits[s], alone_logits[0])
+
+
+def test_only_one_row_parts_in_slots_one_after_another_over_one_span_attend_as_a_batch(shared):
+    """The parts' attention runs as one batch over their slots where the slots' keys, values
+    and query rows are evenly spaced: several parts of one row each, in consecutive slots,
+    over one span within a V block (a code-predictor step of several streams)."""
+    lm = shared.talker.lm
+    span, over = lm.bucket, lm.v_block * 2
+    assert lm._batched(((1, 1, span, True), (2, 1, span, False), (3, 1, span, True)))
+    for layout in (
+        ((0, 1, span, True),),  # one part: nothing to batch
+        ((0, 1, span, True), (1, 2, span, True)),  # a part of two rows
+        ((0, 1, span, True), (2, 1, span, True)),  # a slot between
+        ((1, 1, span, True), (0, 1, span, True)),  # out of order
+        ((0, 1, span, True), (1, 1, 2 * span, True)),  # two spans
+        ((0, 1, over, True), (1, 1, over, True)),  # beyond a V block
+    ):
+        assert not lm._batched(layout)
 
 
 def test_the_interpreter_exits_only_after_the_pass_in_flight(tiny_gguf):

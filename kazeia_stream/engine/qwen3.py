@@ -5,9 +5,10 @@ Rows come in parts: a part is n consecutive rows of one sequence (a slot of the 
 a position on. A call's graph depends only on its parts' slots, row counts and attention spans
 and on the head it applies: positions, KV cache rows and masks are inputs written at each call,
 so a stream's steps replay one graph until its span grows past a bucket. The call's rows go
-through each layer together: the row-wise ops once, the attention per part, and each product as
-`_product` allows, so that a row's numbers never depend on the other parts of its call (a
-stream's codes beside others are its solo ones, at every weight type).
+through each layer together: the row-wise ops once, the attention per part (or, for parts of
+one row in consecutive slots over one span, as one batch over the slots: `_batched`), and each
+product as `_product` allows, so that a row's numbers never depend on the other parts of its
+call (a stream's codes beside others are its solo ones, at every weight type).
 
 The KV cache, per layer and slot, is K as one row per position and V transposed in blocks of
 `V_BLOCK` positions (in a block, each channel's positions contiguous, as the attention's
@@ -291,15 +292,19 @@ class Qwen3LM:
         k_rows = g.input(QType.I64, (total,))
         v_cells = g.input(QType.I64, (total, self.kv_dim))
         parts, start = [], 0
+        batched = self._batched(layout)
+        # a batch's parts share one mask input, a part's in each row
+        shared = g.input(QType.F32, (len(layout), 1, 1, layout[0][2])) if batched else None
         for slot, n, span, _ in layout:
-            parts.append(_Rows(slot, n, span, start, g.input(QType.F32, (n, span))))
+            mask = shared if shared is not None else g.input(QType.F32, (n, span))
+            parts.append(_Rows(slot, n, span, start, mask))
             start += n
         columns = [(p.start, p.n) for p in parts]
         h = x
         if "proj" in w.tensors:
             h = g.add(self._product(g, "proj", h, columns, together), w["proj_bias"])
         for bid in range(cfg.num_layers):
-            h = self._layer(g, bid, h, parts, positions, k_rows, v_cells, together)
+            h = self._layer(g, bid, h, parts, positions, k_rows, v_cells, together, batched)
         outs = [p for p, (*_, out) in zip(parts, layout) if out]  # their last rows
         row = strides(h)[1]
         last = g.join([g.view(h, (cfg.hidden_size, 1), (row,), (p.start + p.n - 1) * row) for p in outs])
@@ -313,7 +318,9 @@ class Qwen3LM:
             view_of(positions, QType.I32, (total,)),
             view_of(k_rows, QType.I64, (total,)),
             view_of(v_cells, QType.I64, (total, self.kv_dim)),
-            [view_of(p.mask, QType.F32, (p.n, p.span)) for p in parts],
+            list(view_of(shared, QType.F32, (len(parts), 1, parts[0].span)))
+            if shared is not None
+            else [view_of(p.mask, QType.F32, (p.n, p.span)) for p in parts],
             view_of(hidden, QType.F32, (len(outs), cfg.hidden_size)),
             view_of(logits, QType.F32, (len(outs), dims(w[head])[1])),
             None if index is None else view_of(index, QType.I32, (len(outs),)),
@@ -381,6 +388,19 @@ class Qwen3LM:
         assert out is not None
         return out
 
+    def _batched(self, layout: tuple[tuple[int, int, int, bool], ...]) -> bool:
+        """Whether a call's parts attend as one batch of operations over their slots (`_layer`):
+        several parts of one row each, in slots one after another, over one span within a V
+        block (a code-predictor step of several streams; talker steps of streams whose spans
+        agree). ggml multiplies and normalizes each entry of a batch apart, so every part gets
+        the numbers it gets alone (tested bit for bit), with fewer operations and no join."""
+        first, _, span, _ = layout[0]
+        return (
+            len(layout) > 1
+            and span <= self.v_block
+            and all(p == (first + i, 1, span, p[3]) for i, p in enumerate(layout))
+        )
+
     def _layer(
         self,
         g: Graph,
@@ -391,10 +411,11 @@ class Qwen3LM:
         k_rows: Tensor,
         v_cells: Tensor,
         together: bool,
+        batched: bool,
     ) -> Tensor:
         """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over the call's rows x [hidden, rows]:
         the row-wise ops on all the rows at once, the products as `_product` allows, the
-        attention per part."""
+        attention per part, or `batched` (`_batched`) as one batch over the parts' slots."""
         cfg = self.config
         w = {role: self.weights[f"{bid}.{role}"] for role in layer_shapes(cfg)}
         hd, heads, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
@@ -421,8 +442,17 @@ class Qwen3LM:
         g.set_rows(all_k, g.reshape(k, self.kv_dim, total), k_rows)
         all_v = g.view(v_cache, (1, vnb[3] // vnb[0] * self.slots), (vnb[0],))
         g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(v_cells, (self.kv_dim * total,)))
-        attended = []
         qnb = strides(q)  # [hd, heads, rows]
+        if batched:  # part i: slot parts[0].slot + i, row parts[0].start + i
+            first, span, count = parts[0], parts[0].span, len(parts)
+            keys = g.view(k_cache, (hd, span, kvh, count), (knb[1], hd * knb[0], knb[2]), first.slot * knb[2])
+            rows = g.view(q, (hd, 1, heads, count), (qnb[2], qnb[1], qnb[2]), first.start * qnb[2])
+            scores = g.soft_max(g.mul_mat(keys, rows), first.mask, 1.0 / math.sqrt(hd))
+            v_nb = (vnb[1], hd * vnb[1], vnb[3])  # a V block: [position, kv_dim], the slots apart
+            values = g.view(v_cache, (span, hd, kvh, count), v_nb, first.slot * vnb[3])
+            out = g.reshape(g.mul_mat(values, scores), hd * heads, count)  # [hd, 1, heads, count]
+            return self._feed_forward(g, bid, g.add(x, product("o", out)), columns, together)
+        attended = []
         for p in parts:
             keys = g.view(k_cache, (hd, p.span, kvh), (knb[1], hd * knb[0]), p.slot * knb[2])
             # [hd, rows, heads]: a kv head serves `heads / kvh` query heads (ggml broadcasts)
@@ -432,13 +462,23 @@ class Qwen3LM:
             if p.n > 1:
                 out = g.cont(g.permute(out, 0, 2, 1, 3))
             attended.append(g.reshape(out, hd * heads, p.n))
-        x = g.add(x, product("o", g.join(attended)))
-        h = normed(x, "ffn_norm")
-        act = g.swiglu(product("gate", h), product("up", h))
+        return self._feed_forward(g, bid, g.add(x, product("o", g.join(attended))), columns, together)
+
+    def _feed_forward(
+        self, g: Graph, bid: int, x: Tensor, columns: Sequence[tuple[int, int]], together: bool
+    ) -> Tensor:
+        """The layer's second half on x [hidden, rows], the attention added: RMSNorm, SwiGLU,
+        the residual."""
+        w = self.weights
+        h = g.mul(g.rms_norm(x, self.config.rms_norm_eps), w[f"{bid}.ffn_norm"])
+        act = g.swiglu(
+            self._product(g, f"{bid}.gate", h, columns, together),
+            self._product(g, f"{bid}.up", h, columns, together),
+        )
         scale = self._down_scale[bid]
         if scale != 1.0:
             act = g.scale(act, scale)
-        down = product("down", act)
+        down = self._product(g, f"{bid}.down", act, columns, together)
         if scale != 1.0:
             down = g.scale(down, 1.0 / scale)
         return g.add(x, down)
