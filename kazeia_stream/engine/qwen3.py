@@ -389,7 +389,7 @@ class Qwen3LM:
         return out
 
     def _batched(self, layout: tuple[tuple[int, int, int, bool], ...]) -> bool:
-        """Whether a call's parts attend as one batch of operations over their slots (`_layer`):
+        """Whether a call's parts attend as one batch of operations over their slots (`_attention`):
         several parts of one row each, in slots one after another, over one span within a V
         block (a code-predictor step of several streams; talker steps of streams whose spans
         agree). ggml multiplies and normalizes each entry of a batch apart, so every part gets
@@ -442,7 +442,24 @@ class Qwen3LM:
         g.set_rows(all_k, g.reshape(k, self.kv_dim, total), k_rows)
         all_v = g.view(v_cache, (1, vnb[3] // vnb[0] * self.slots), (vnb[0],))
         g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(v_cells, (self.kv_dim * total,)))
-        qnb = strides(q)  # [hd, heads, rows]
+        x = g.add(x, product("o", self._attention(g, q, k_cache, v_cache, parts, batched)))
+        h = normed(x, "ffn_norm")
+        act = g.swiglu(product("gate", h), product("up", h))
+        scale = self._down_scale[bid]
+        if scale != 1.0:
+            act = g.scale(act, scale)
+        down = product("down", act)
+        if scale != 1.0:
+            down = g.scale(down, 1.0 / scale)
+        return g.add(x, down)
+
+    def _attention(
+        self, g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, parts: list[_Rows], batched: bool
+    ) -> Tensor:
+        """The parts' attention outputs [hd * heads, rows] for their query rows q [hd, heads,
+        rows]: part by part, joined, or `batched` as one batch over the parts' slots."""
+        cfg, knb, vnb, qnb = self.config, strides(k_cache), strides(v_cache), strides(q)
+        hd, heads, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         if batched:  # part i: slot parts[0].slot + i, row parts[0].start + i
             first, span, count = parts[0], parts[0].span, len(parts)
             keys = g.view(k_cache, (hd, span, kvh, count), (knb[1], hd * knb[0], knb[2]), first.slot * knb[2])
@@ -450,8 +467,7 @@ class Qwen3LM:
             scores = g.soft_max(g.mul_mat(keys, rows), first.mask, 1.0 / math.sqrt(hd))
             v_nb = (vnb[1], hd * vnb[1], vnb[3])  # a V block: [position, kv_dim], the slots apart
             values = g.view(v_cache, (span, hd, kvh, count), v_nb, first.slot * vnb[3])
-            out = g.reshape(g.mul_mat(values, scores), hd * heads, count)  # [hd, 1, heads, count]
-            return self._feed_forward(g, bid, g.add(x, product("o", out)), columns, together)
+            return g.reshape(g.mul_mat(values, scores), hd * heads, count)  # [hd, 1, heads, count]
         attended = []
         for p in parts:
             keys = g.view(k_cache, (hd, p.span, kvh), (knb[1], hd * knb[0]), p.slot * knb[2])
@@ -462,23 +478,4 @@ class Qwen3LM:
             if p.n > 1:
                 out = g.cont(g.permute(out, 0, 2, 1, 3))
             attended.append(g.reshape(out, hd * heads, p.n))
-        return self._feed_forward(g, bid, g.add(x, product("o", g.join(attended))), columns, together)
-
-    def _feed_forward(
-        self, g: Graph, bid: int, x: Tensor, columns: Sequence[tuple[int, int]], together: bool
-    ) -> Tensor:
-        """The layer's second half on x [hidden, rows], the attention added: RMSNorm, SwiGLU,
-        the residual."""
-        w = self.weights
-        h = g.mul(g.rms_norm(x, self.config.rms_norm_eps), w[f"{bid}.ffn_norm"])
-        act = g.swiglu(
-            self._product(g, f"{bid}.gate", h, columns, together),
-            self._product(g, f"{bid}.up", h, columns, together),
-        )
-        scale = self._down_scale[bid]
-        if scale != 1.0:
-            act = g.scale(act, scale)
-        down = self._product(g, f"{bid}.down", act, columns, together)
-        if scale != 1.0:
-            down = g.scale(down, 1.0 / scale)
-        return g.add(x, down)
+        return g.join(attended)
