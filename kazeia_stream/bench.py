@@ -198,7 +198,7 @@ async def run_pipeline_bench(
                 pass
             m = utterance.metrics
             assert m.ttfa_s is not None and m.wall_s is not None
-            shares = _busy_shares(runtime, busy, m.wall_s)
+            shares = _busy_shares(_worked_s(runtime, busy), m.wall_s)
             figures = _figures(
                 m.frames,
                 m.audio_s,
@@ -290,20 +290,23 @@ def _busy_s(runtime: Runtime) -> dict[str, float]:
     return {"generator": runtime.generator.stats.busy_s, "decoder": runtime.decoder.stats.busy_s}
 
 
-def _busy_shares(runtime: Runtime, since: dict[str, float], wall: float) -> dict[str, float]:
-    """The share of `wall` seconds each engine's thread worked since `since` (`_busy_s`): near
-    1 for the engine that limits the others, both near 1 when the cores do."""
-    return {f"{name}_busy": round((now - since[name]) / wall, 3) for name, now in _busy_s(runtime).items()}
+def _worked_s(runtime: Runtime, since: dict[str, float]) -> dict[str, float]:
+    """Seconds each engine's thread worked since `since` (`_busy_s`), read once for all the
+    figures of a round."""
+    return {name: now - since[name] for name, now in _busy_s(runtime).items()}
 
 
-def _ms_per_stream_frame(runtime: Runtime, since: dict[str, float], stream_frames: int) -> dict[str, float]:
-    """Each engine thread's milliseconds of work since `since` (`_busy_s`) per frame of one
-    stream: what a frame costs each engine when streams share its passes, which of the two
-    limits the streams and by how much."""
-    return {
-        f"{name}_ms_per_stream_frame": round(1e3 * (now - since[name]) / stream_frames, 1)
-        for name, now in _busy_s(runtime).items()
-    }
+def _busy_shares(worked: dict[str, float], wall: float) -> dict[str, float]:
+    """The share of `wall` seconds each engine's thread `worked` (`_worked_s`): near 1 for the
+    engine that limits the others, both near 1 when the cores do."""
+    return {f"{name}_busy": round(s / wall, 3) for name, s in worked.items()}
+
+
+def _ms_per_stream_frame(worked: dict[str, float], stream_frames: int) -> dict[str, float]:
+    """Each engine thread's milliseconds of work (`_worked_s`) per frame of one stream: what a
+    frame costs each engine when streams share its passes, which of the two limits the streams
+    and by how much."""
+    return {f"{name}_ms_per_stream_frame": round(1e3 * s / stream_frames, 1) for name, s in worked.items()}
 
 
 async def _together(
@@ -322,6 +325,7 @@ async def _together(
         for i in range(streams):
             nursery.start_soon(one, i)
     wall = time.perf_counter() - start
+    worked = _worked_s(runtime, busy)
     ttfa = [m.ttfa_s or 0.0 for m in metrics]
     return {
         "streams": streams,
@@ -331,8 +335,8 @@ async def _together(
         "rtf_per_stream": round(statistics.median((m.wall_s or 0.0) / m.audio_s for m in metrics), 3),
         "aggregate_audio_s_per_s": round(sum(m.audio_s for m in metrics) / wall, 3),
         "wall_s": round(wall, 3),
-        **_busy_shares(runtime, busy, wall),
-        **_ms_per_stream_frame(runtime, busy, streams * frames),
+        **_busy_shares(worked, wall),
+        **_ms_per_stream_frame(worked, streams * frames),
     }
 
 
