@@ -2,10 +2,11 @@
 
    dst [m, n] = w [m, k] (Q8_0: blocks of an fp16 scale and 32 int8) @ x [k, n] (float32 rows),
    the rows of x quantized to Q8_0 as ggml does. Two variants of the same loops: int8 products on
-   AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it), or
-   on AVX2 (u8 x s8 pairs, then pairs of int16: |x| times w with x's sign), two blocks per
-   256-bit register, interleaved eight bytes at a time so that one conversion and one fmadd
-   scale both. A row of dst is summed in one order whatever n is, so a
+   AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it) and
+   the int32 sums of two registers added pairwise, so that one conversion and one fmadd scale
+   four blocks, or on AVX2 (u8 x s8 pairs, then pairs of int16: |x| times w with x's sign), two
+   blocks per 256-bit register, interleaved eight bytes at a time so that one conversion and one
+   fmadd scale both. A row of dst is summed in one order whatever n is, so a
    sequence's numbers do not depend on the rows computed beside it. ggml's threads take chunks
    of 64 weight rows in turn (`claim`, ggml_op.h) and read each from memory once, in tiles of
    16 rows that stay in the cache while every row of x passes (four at a time). */
@@ -46,22 +47,32 @@ __attribute__((target("f16c"))) static inline float scale(float amax, float *d) 
     return amax != 0.0f ? 127.0f / amax : 0.0f;
 }
 
-/* How a variant lays out a row of x once quantized, per pair of blocks (a row with an odd
-   count of blocks takes the room of one more): bytes of int8 and floats of scales. */
+/* How a variant lays out a row of x once quantized, per group of blocks (a row whose block
+   count is no multiple of the group's takes the room of one more): blocks, bytes of int8 and
+   floats of scales. */
 struct layout {
-    int bytes, floats;
+    int blocks, bytes, floats;
 };
 
-/* AVX512-VNNI: a block's 32 int8 + 128 in order, its scale eight times over (a block's lanes). */
-static const struct layout layout512 = {64, 16};
+/* AVX512-VNNI: groups of four blocks, their 128 int8 + 128 in order, and their scales as the
+   lanes of a group's int32 sums come out of rows512 (quad512): 128-bit lanes 0 and 1 hold
+   blocks 0, 2, 0, 2, lanes 2 and 3 blocks 1, 3, 1, 3. The blocks beyond the last group, their
+   int8 after it, their scales one float each. */
+static const struct layout layout512 = {4, 128, 16};
 
-AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) {
-    for (int64_t b = 0; b < k / 32; b++) {
+AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d16) {
+    const int64_t nb = k / 32, groups = nb / 4;
+    for (int64_t b = 0; b < nb; b++) {
         __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         float d;
         __m512 id = _mm512_set1_ps(scale(amax, &d));
-        _mm256_storeu_ps(d8 + b * 8, _mm256_set1_ps(d));
+        if (b < groups * 4) { /* lanes 4j + 2c + (b & 2) / 2, for j of (b & 1) * 2 + {0, 1}, c 0, 1 */
+            float *g = d16 + b / 4 * 16 + (b & 1) * 8 + (b & 2) / 2;
+            for (int l = 0; l < 8; l += 2) g[l] = d;
+        } else {
+            d16[groups * 16 + b - groups * 4] = d;
+        }
         const __m128i offset = _mm_set1_epi8((char)0x80); /* q + 128: unsigned for vpdpbusd */
         __m128i q_lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id)));
         __m128i q_hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id)));
@@ -75,7 +86,7 @@ AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) 
    16-23 of each in the first register, 8-15 and 24-31 in the second; then |x| likewise. The
    lanes of the int32 sums come out as b0, b0, b1, b1, b0, b0, b1, b1, and the scales are laid
    out so. */
-static const struct layout layout256 = {128, 8};
+static const struct layout layout256 = {2, 128, 8};
 
 /* A block of 32 floats quantized, its int8 in order; its scale in *d. */
 AVX2 static inline __m256i block256(const float *x, float *d) {
@@ -132,43 +143,61 @@ typedef void tile_fn(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row
         }                                                                                       \
     }
 
+/* The int32 sums of a group of four weight blocks (wq0: blocks 0 and 1, wq1: 2 and 3) with one
+   row of x, each dot product starting from `start` (-128 times the sums of w's four int8, as x
+   holds q + 128, unsigned for vpdpbusd): the two registers' lanes added pairwise into one, so
+   that a conversion, a product of the scales and an fmadd serve four blocks. The lanes of a
+   block come out as layout512 lays out its scales. */
+AVX512 INLINE __m512i quad512(__m512i wq0, __m512i wq1, __m512i start0, __m512i start1, const int8_t *q) {
+    __m512i dot0 = _mm512_dpbusd_epi32(start0, _mm512_loadu_si512((const void *)q), wq0);
+    __m512i dot1 = _mm512_dpbusd_epi32(start1, _mm512_loadu_si512((const void *)(q + 64)), wq1);
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(dot0, dot1), _mm512_unpackhi_epi32(dot0, dot1));
+}
+
+/* -128 times the sums of each four int8 of w (see quad512). */
+AVX512 INLINE __m512i start512(__m512i wq) {
+    const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8((char)0x80);
+    return _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, wq));
+}
+
 AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, const int n,
-                           const int8_t *q, const float *d8, float *dst, size_t dst_row, int64_t r0,
+                           const int8_t *q, const float *d16, float *dst, size_t dst_row, int64_t r0,
                            int64_t r1) {
-    /* x holds q + 128 (unsigned, as vpdpbusd takes it): each dot product starts from
-       -128 * (the sum of w's four int8), computed once for every row of x */
-    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    const int64_t groups = nb / 4;
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
         __m512 acc[ROWS];
         for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 1 < nb; b += 2) {
-            _mm_prefetch((const char *)(wr + b) + PREFETCH, _MM_HINT_T0);
-            __m512i wq = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wr[b].qs)),
-                _mm256_loadu_si256((const __m256i *)wr[b + 1].qs), 1);
-            __m512i zero = _mm512_setzero_si512();
-            __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, wq));
-            __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(wr[b].d)),
-                                           _mm256_set1_ps(_cvtsh_ss(wr[b + 1].d)), 1);
+        for (int64_t g = 0; g < groups; g++) {
+            const block_q8_0 *wb = wr + 4 * g;
+            _mm_prefetch((const char *)wb + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + PREFETCH + 64, _MM_HINT_T0);
+            __m512i wq0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wb[0].qs)),
+                                             _mm256_loadu_si256((const __m256i *)wb[1].qs), 1);
+            __m512i wq1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wb[2].qs)),
+                                             _mm256_loadu_si256((const __m256i *)wb[3].qs), 1);
+            __m512i start0 = start512(wq0), start1 = start512(wq1);
+            /* the scales as the lanes of quad512's sums: 0, 2, 0, 2 twice, then 1, 3, 1, 3 twice */
+            const uint64_t h0 = wb[0].d, h1 = wb[1].d, h2 = wb[2].d, h3 = wb[3].d;
+            __m256 d8 = _mm256_cvtph_ps(_mm_set_epi64x((long long)(h1 | h3 << 16 | h1 << 32 | h3 << 48),
+                                                       (long long)(h0 | h2 << 16 | h0 << 32 | h2 << 48)));
+            __m512 dw = _mm512_castps256_ps512(d8);
+            dw = _mm512_shuffle_f32x4(dw, dw, 0x50);
             for (int r = 0; r < n; r++) {
-                __m512i xq = _mm512_loadu_si512((const void *)(q + r * q_row + b * 32));
-                __m512i dot = _mm512_dpbusd_epi32(start, xq, wq);
-                __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d8 + r * d_row + b * 8));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                __m512i sums = quad512(wq0, wq1, start0, start1, q + r * q_row + g * 128);
+                __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d16 + r * d_row + g * 16));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
             }
         }
-        if (b < nb) { /* an odd last block */
+        for (int64_t b = groups * 4; b < nb; b++) { /* the blocks beyond the last group */
             __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
-            __m256i start = _mm256_sub_epi32(
-                _mm256_setzero_si256(),
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm512_castsi512_si256(offset), wq));
-            float dw = _cvtsh_ss(wr[b].d);
+            __m256i start = _mm512_castsi512_si256(start512(_mm512_castsi256_si512(wq)));
+            const float dw = _cvtsh_ss(wr[b].d);
+            const int64_t t = b - groups * 4;
             for (int r = 0; r < n; r++) {
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * q_row + b * 32));
                 __m256i dot = _mm256_dpbusd_epi32(start, xq, wq);
-                __m256 scale = _mm256_set1_ps(dw * d8[r * d_row + b * 8]);
+                __m256 scale = _mm256_set1_ps(dw * d16[r * d_row + groups * 16 + t]);
                 __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(part));
             }
@@ -243,8 +272,8 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
                     const struct layout *layout, tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
-    const size_t pairs = (size_t)(nb + 1) / 2;
-    const size_t q_row = pairs * layout->bytes, d_row = pairs * layout->floats;
+    const size_t groups = (size_t)((nb + layout->blocks - 1) / layout->blocks);
+    const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
     int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
     float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
     if (q == NULL || d == NULL) abort(); /* as ggml does when memory runs out */
