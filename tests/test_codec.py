@@ -11,7 +11,7 @@ import pytest
 from decoders import PRODUCTS, tiny_decoder
 
 from kazeia_stream.engine import snake, winograd
-from kazeia_stream.engine.codec import SPLIT_COLUMNS, CodecDecoder
+from kazeia_stream.engine.codec import GGML_COLUMNS, PANEL_COLUMNS, SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -224,7 +224,7 @@ def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkey
     product = codec.Matrix.__call__
 
     def counting(m, x, out=None):
-        counted.append(m.array.shape[0] * m.array.shape[1] * x.shape[1])
+        counted.append(m.shape[0] * m.shape[1] * x.shape[1])
         return product(m, x, out)
 
     monkeypatch.setattr(codec.Matrix, "__call__", counting)
@@ -288,6 +288,18 @@ def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
                 assert rate[id(conv.products[0])] > SPLIT_COLUMNS
             assert not any(_mapped(m.array) for m in conv.products)
     assert not any(_mapped(block.up.w.array) for block in decoder.blocks)
+
+
+def test_products_of_several_columns_a_frame_run_on_the_kernel_s_panels(decoder):
+    """Arithmetic, not reading the weights, is their cost: our kernel's panels, where it runs
+    (not on "ggml"); the widest stay on numpy's BLAS, the fewest columns in place."""
+    most: dict[int, tuple] = {}
+    for m, columns in decoder.products():
+        most[id(m)] = m, max(columns, most.get(id(m), (m, 0))[1])
+    on_kernel = any(m.variant is not None for m, _ in most.values())
+    packed = [m.panels for m, columns in most.values() if PANEL_COLUMNS <= columns <= GGML_COLUMNS]
+    assert packed and all(p == on_kernel for p in packed)
+    assert not any(m.panels for m, columns in most.values() if not PANEL_COLUMNS <= columns <= GGML_COLUMNS)
 
 
 def test_tensors_back_to_back_join_in_place(tiny_gguf):

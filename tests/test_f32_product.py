@@ -4,11 +4,13 @@ count."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from kernels import on_each_variant
 
-from kazeia_stream.engine import f32_product
+from kazeia_stream.engine import f32_product, native
 from kazeia_stream.engine.codec import Matrix
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, products
 
@@ -63,6 +65,49 @@ def test_the_decoder_s_products_of_few_columns_run_on_it(weight):
     expected = products(tensor.tensor, x.T.copy(), Allocator(), 1, f32_product.product)
     tensor.close()
     assert np.array_equal(together, expected.T)
+
+
+@pytest.fixture(params=native.VARIANTS)
+def variant(request):
+    if request.param not in f32_product.variants():
+        pytest.skip(f"this CPU does not run the {request.param} variant")
+    return request.param
+
+
+def test_panels_give_the_product_to_float_rounding_and_a_column_s_numbers_whatever_beside_it(weight, variant):
+    """A weight packed (`Matrix.pack`): its rows padded to whole panels, tiles of up to 4
+    panels by 6 columns. Bit for bit alone, among 2 to 13 columns, at any place among them, on
+    1 or 2 threads."""
+    _, array = weight
+    x = np.random.default_rng(4).standard_normal((array.shape[1], 13), dtype=np.float32)
+    matrix = Matrix(array)
+    matrix.pack(Allocator(), variant)
+    assert matrix.array.shape == (-(-array.shape[0] // f32_product.PANEL), array.shape[1], f32_product.PANEL)
+    ours = matrix(x)
+    exact = array.astype(np.float64) @ x.astype(np.float64)
+    assert ours.shape == exact.shape and np.abs(ours - exact).max() <= 2e-6 * np.abs(exact).max()
+    alone = np.concatenate([matrix(np.ascontiguousarray(x[:, i : i + 1])) for i in range(13)], axis=1)
+    for count in (2, 5, 6, 7, 13):
+        assert np.array_equal(matrix(np.ascontiguousarray(x[:, :count])), alone[:, :count])
+    tensor = ArrayTensor(matrix.array, shape=(matrix.array.size // array.shape[1], array.shape[1]))
+    op = partial(f32_product.product, variant=variant, panels=True)
+    on_two = products(tensor.tensor, np.ascontiguousarray(x[:, ::-1].T), Allocator(), 2, op)
+    tensor.close()
+    assert np.array_equal(on_two[:, : array.shape[0]].T, alone[:, ::-1])
+
+
+def test_both_variants_give_panels_the_same_numbers(weight):
+    """Each element is one chain of fmadds over the inner index, in order, on either variant."""
+    if len(f32_product.variants()) < 2:
+        pytest.skip("this CPU runs one variant")
+    _, array = weight
+    x = np.random.default_rng(5).standard_normal((array.shape[1], 9), dtype=np.float32)
+    results = []
+    for variant in f32_product.variants():
+        matrix = Matrix(array)
+        matrix.pack(Allocator(), variant)
+        results.append(matrix(x))
+    assert np.array_equal(*results)
 
 
 def test_it_can_be_turned_off_or_held_to_avx2(monkeypatch):

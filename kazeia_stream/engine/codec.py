@@ -92,6 +92,13 @@ SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 # the first block's 24 taps 768x768 by 32 columns 13.5 -> 10.9 ms, 384x384 by 160 even,
 # 192x192 by 640 11.2 -> 13.9 ms.
 GGML_COLUMNS = 64
+# A product of this many columns per frame up to GGML_COLUMNS runs on our kernel's panels
+# where it runs (`Matrix.pack`): arithmetic, not reading the weights, is its cost. On Zen 4,
+# each through `Matrix`, one thread (README, "Measured", 2026-12-04, late night): 768x768 by
+# 9 columns 153 -> 144 us, by 36 477 -> 422 us, 384x384 by 40 145 -> 128 us, 3840x768 by 32
+# 2446 -> 1960 us. Wider products stay on numpy's BLAS, in place: there the transposes into and
+# out of a graph cost more than the kernel saves (96x96 by 1920: BLAS 356 us, panels 539).
+PANEL_COLUMNS = 8
 # A causal conv of more columns per frame multiplies tap by tap, on copies of its weight
 # (`CausalConv.split`); one of fewer, its weight in place on gathered columns. Per frame from
 # memory, one core: the entry conv (44 MB, 4 columns) 4.4 ms in place against 4.9 tap by tap;
@@ -175,19 +182,23 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
 class Matrix:
     """A weight W [out, in] (float32) and W @ X: on ggml's graphs once `allocator` is set (the
     decoder's compute buffer, which it sets for the layers of few columns per frame,
-    `GGML_COLUMNS`), which read W in place; else on numpy's BLAS. A column's numbers must not
-    depend on the columns that come with it (other frames of a push, other streams). On our
-    kernel (`f32_product`) they never do. Else, on ggml's: its several-column kernel gives the
-    same numbers for any count of at least two, its one-column kernel others, so a layer of one
-    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
-    when the columns are not contiguous: they are read with a row of padding). numpy's depend
-    on the count, and the decoder calls those layers with one frame's columns at a time."""
+    `GGML_COLUMNS`, and those of many on our kernel's panels, `PANEL_COLUMNS`); else on numpy's
+    BLAS. A column's numbers must not depend on the columns that come with it (other frames of
+    a push, other streams). On our kernel (`f32_product`) they never do: W's rows in place for
+    few columns (reading the weights is the cost), or its copy in panels once `pack`ed
+    (arithmetic is). Else, on ggml's: its several-column kernel gives the same numbers for any
+    count of at least two, its one-column kernel others, so a layer of one column per frame
+    (`by_column`) takes every column through the one-column kernel (ggml does when the columns
+    are not contiguous: they are read with a row of padding). numpy's depend on the count, and
+    the decoder calls those layers with one frame's columns at a time."""
 
     def __init__(self, w: np.ndarray) -> None:
-        self.array = np.ascontiguousarray(w, dtype=F32)
+        self.array = np.ascontiguousarray(w, dtype=F32)  # W, or its panels once packed
+        self.shape: tuple[int, int] = self.array.shape  # W's
         self.allocator: Allocator | None = None
         self.by_column = False
         self.variant: str | None = None  # our float32 kernel's, where the decoder's load chose it
+        self.panels = False
         self._tensor: ArrayTensor | None = None
         self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
@@ -202,6 +213,12 @@ class Matrix:
             return result.T.copy()
         np.copyto(out, result.T)
         return out
+
+    def pack(self, allocator: Allocator, variant: str) -> None:
+        """Multiply on our kernel's `variant` from now on, W copied into its panels (the
+        row-major copy is let go)."""
+        self.allocator, self.variant, self.panels = allocator, variant, True
+        self.array = f32_product.pack(self.array)
 
     def prepare(self, n: int) -> None:
         """Build the product's graph for n columns now, where it runs on ggml's kernels, not at
@@ -218,20 +235,25 @@ class Matrix:
         each column alone)."""
         assert self.allocator is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
+            (m, k), rows = self.shape, self.array.size // self.shape[1]  # rows: W's, or its panels'
             if self._tensor is None:
-                self._tensor = ArrayTensor(self.array)
-            w, (m, k) = self._tensor.tensor, self.array.shape
+                self._tensor = ArrayTensor(self.array, QType.F32, (rows, k))
+            w = self._tensor.tensor
             by_column = self.by_column and self.variant is None
             width = k + _ROW_PAD if by_column else k
             g = Graph(4)
             x = g.input(QType.F32, (n, width))
             columns = g.view(x, (k, n), (strides(x)[1],)) if by_column else x
             if self.variant is not None:
-                y = g.output(f32_product.product(g, w, columns, self.variant))
+                y = g.output(f32_product.product(g, w, columns, self.variant, self.panels))
             else:
                 y = g.output(g.mul_mat(w, columns))
             g.allocate(self.allocator)
-            self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
+            self._graphs[n] = (
+                g,
+                view_of(x, QType.F32, (n, width))[:, :k],
+                view_of(y, QType.F32, (n, rows))[:, :m],
+            )
         return self._graphs[n]
 
 
@@ -840,17 +862,20 @@ class CodecDecoder:
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self._allocator = Allocator()  # one compute buffer for the products on ggml's kernels
-        columns_of = {id(matrix): columns for matrix, columns in self.products()}
+        columns_of = self._columns()
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
             if conv in dilated:  # most of the multiply-adds: in Winograd's F(4, 7) where it runs
                 conv.tile()
-            if conv.method == "gathered" and columns_of[id(conv.products[0])] > SPLIT_COLUMNS:
+            if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
-        for matrix, columns in self.products():
-            if columns <= GGML_COLUMNS:
+        kernel = f32_product.chosen()
+        for matrix, columns in self._columns().values():
+            if kernel is not None and PANEL_COLUMNS <= columns <= GGML_COLUMNS:
+                matrix.pack(self._allocator, kernel)
+            elif columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
-                matrix.variant = f32_product.chosen()
+                matrix.variant = kernel
             prefault(matrix.array)  # the weights used in place: the first frame is heard first
         for _ in range(2):  # a frame's graphs too; again where the buffer's growth left one stale
             for matrix, columns in self.products():
@@ -1000,6 +1025,13 @@ class CodecDecoder:
                 yield from conv.calls(rate)
         yield from self.post_conv.calls(rate)
 
+    def _columns(self) -> dict[int, tuple[Matrix, int]]:
+        """Each matrix of `products` by its id, with the most columns a call of it multiplies."""
+        most: dict[int, tuple[Matrix, int]] = {}
+        for matrix, columns in self.products():
+            most[id(matrix)] = matrix, max(columns, most.get(id(matrix), (matrix, 0))[1])
+        return most
+
     def _convs(self) -> Iterator[CausalConv]:
         yield from (self.pre_conv, self.entry, self.post_conv)
         for block in self.blocks:
@@ -1008,7 +1040,7 @@ class CodecDecoder:
     @cached_property
     def macs_per_frame(self) -> int:
         """Multiply-adds of the matrix products per frame (`products`)."""
-        return sum(m.array.size * columns for m, columns in self.products())
+        return sum(math.prod(m.shape) * columns for m, columns in self.products())
 
     def products_time(self, frames: int = 1, repeat: int = 3, in_order: bool = False) -> float:
         """Seconds per frame that the matrix products alone take at `frames` frames per push,
@@ -1022,7 +1054,7 @@ class CodecDecoder:
         for m, columns in self.products():
             n = columns * frames
             piece = n if m.allocator else columns  # as a decode calls it (see `_blocks`)
-            calls.append((m, rng.standard_normal((m.array.shape[1], piece), dtype=F32), n // piece))
+            calls.append((m, rng.standard_normal((m.shape[1], piece), dtype=F32), n // piece))
 
         def run(group: Sequence[tuple[Matrix, np.ndarray, int]]) -> float:
             best = math.inf

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
+
 from . import native
 from .ggml_graph import Graph, Tensor
 
 ENV = "KAZEIA_F32_KERNEL"  # "0": ggml's kernels; "avx2": our AVX2 variant
+PANEL = 16  # rows of a packed weight's panel (f32_product.c)
 
 
 def variants() -> tuple[str, ...]:
@@ -39,9 +42,19 @@ def chosen() -> str | None:
     return native.chosen("f32_product", ENV)
 
 
-def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
-    """w @ x for a float32 matrix w [in, out] with its rows in place and the float32 columns of
-    x [in, n]: [out, n], on `variant` (default: the chosen one)."""
+def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None, panels: bool = False) -> Tensor:
+    """w @ x for a float32 matrix w [in, out] and the float32 columns of x [in, n]: [out, n],
+    on `variant` (default: the chosen one). w holds its rows in place, or is `panels`: w's
+    bytes are `pack(W)` and out is W's rows rounded up to PANEL (the rows beyond, zeros)."""
     variant = variant or chosen()
     assert variant is not None, "the kernel does not run here"
-    return g.product(native.address("f32_product", variant), w, x)
+    return g.product(native.address("f32_product", variant, "panels" if panels else ""), w, x)
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """A float32 matrix [out, in] as the kernel's panels take it: PANEL rows at a time, each
+    panel [in, PANEL], the rows beyond `out` zero: [ceil(out / PANEL), in, PANEL]."""
+    out, k = w.shape
+    padded = np.zeros((-(-out // PANEL) * PANEL, k), np.float32)
+    padded[:out] = w
+    return np.ascontiguousarray(padded.reshape(-1, PANEL, k).transpose(0, 2, 1))
