@@ -11,7 +11,7 @@ import pytest
 from decoders import PRODUCTS, tiny_decoder
 
 from kazeia_stream.engine import snake, winograd
-from kazeia_stream.engine.codec import GGML_COLUMNS, PANEL_COLUMNS, SPLIT_COLUMNS, CodecDecoder
+from kazeia_stream.engine.codec import DIRECT_COLUMNS, SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -147,13 +147,13 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
     from kazeia_stream.engine import codec
 
     seen, ggml = [], []
-    matmul, compute = codec._matmul, codec.Graph.compute
+    multiply, compute = codec.Matrix.__call__, codec.Graph.compute
 
-    def spy(*args, **kwargs):
+    def spy(*args, **kwargs):  # every product, on whichever kernel (numpy's attention too)
         seen.append(_blas_threads())
-        return matmul(*args, **kwargs)
+        return multiply(*args, **kwargs)
 
-    monkeypatch.setattr(codec, "_matmul", spy)
+    monkeypatch.setattr(codec.Matrix, "__call__", spy)
     monkeypatch.setattr(codec.Graph, "compute", lambda graph, n: ggml.append(n) or compute(graph, n))
     with threadpool_limits(limits=2, user_api="blas"):
         state = decoder.new_state()
@@ -290,16 +290,18 @@ def test_weights_in_the_file_s_layout_are_used_in_place(decoder):
     assert not any(_mapped(block.up.w.array) for block in decoder.blocks)
 
 
-def test_products_of_several_columns_a_frame_run_on_the_kernel_s_panels(decoder):
-    """Arithmetic, not reading the weights, is their cost: our kernel's panels, where it runs
-    (not on "ggml"); the widest stay on numpy's BLAS, the fewest columns in place."""
+def test_products_of_several_columns_a_frame_run_on_the_kernel_directly(decoder):
+    """Arithmetic, not reading the weights, is their cost: our kernel called directly where it
+    runs (not on "ggml"), Winograd's products on its panels; the fewest columns in place."""
     most: dict[int, tuple] = {}
     for m, columns in decoder.products():
         most[id(m)] = m, max(columns, most.get(id(m), (m, 0))[1])
     on_kernel = any(m.variant is not None for m, _ in most.values())
-    packed = [m.panels for m, columns in most.values() if PANEL_COLUMNS <= columns <= GGML_COLUMNS]
-    assert packed and all(p == on_kernel for p in packed)
-    assert not any(m.panels for m, columns in most.values() if not PANEL_COLUMNS <= columns <= GGML_COLUMNS)
+    direct = [m for m, columns in most.values() if columns >= DIRECT_COLUMNS]
+    assert direct and all(m.direct == on_kernel for m in direct)
+    assert all(m.array.ndim == (3 if m.direct and m.column_major else 2) for m in direct)
+    assert not all(m.column_major for m in direct)  # the 1x1 convs and transposed ones in place
+    assert not any(m.direct for m, columns in most.values() if columns < DIRECT_COLUMNS)
 
 
 def test_tensors_back_to_back_join_in_place(tiny_gguf):

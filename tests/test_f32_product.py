@@ -4,8 +4,6 @@ count."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import pytest
 from kernels import on_each_variant
@@ -74,40 +72,45 @@ def variant(request):
     return request.param
 
 
-def test_panels_give_the_product_to_float_rounding_and_a_column_s_numbers_whatever_beside_it(weight, variant):
-    """A weight packed (`Matrix.pack`): its rows padded to whole panels, tiles of up to 4
-    panels by 6 columns. Bit for bit alone, among 2 to 13 columns, at any place among them, on
-    1 or 2 threads."""
+def _direct(array: np.ndarray, variant: str, column_major: bool) -> Matrix:
+    matrix = Matrix(array, column_major)
+    matrix.multiply_directly(variant)
+    return matrix
+
+
+def test_called_directly_it_gives_the_product_to_float_rounding_and_a_column_its_numbers_alone(
+    weight, variant
+):
+    """W packed in panels for columns of contiguous numbers (tiles of up to 4 panels by 6
+    columns, the rows padded to whole panels), or in place for rows of contiguous numbers
+    (tiles of up to 6 rows by 4 vectors of columns, the last masked): bit for bit alone, among
+    2 to 70 columns, at any place among them; the same numbers either way."""
     _, array = weight
-    x = np.random.default_rng(4).standard_normal((array.shape[1], 13), dtype=np.float32)
-    matrix = Matrix(array)
-    matrix.pack(Allocator(), variant)
-    assert matrix.array.shape == (-(-array.shape[0] // f32_product.PANEL), array.shape[1], f32_product.PANEL)
-    ours = matrix(x)
+    x = np.random.default_rng(4).standard_normal((array.shape[1], 70), dtype=np.float32)
     exact = array.astype(np.float64) @ x.astype(np.float64)
-    assert ours.shape == exact.shape and np.abs(ours - exact).max() <= 2e-6 * np.abs(exact).max()
-    alone = np.concatenate([matrix(np.ascontiguousarray(x[:, i : i + 1])) for i in range(13)], axis=1)
-    for count in (2, 5, 6, 7, 13):
-        assert np.array_equal(matrix(np.ascontiguousarray(x[:, :count])), alone[:, :count])
-    tensor = ArrayTensor(matrix.array, shape=(matrix.array.size // array.shape[1], array.shape[1]))
-    op = partial(f32_product.product, variant=variant, panels=True)
-    on_two = products(tensor.tensor, np.ascontiguousarray(x[:, ::-1].T), Allocator(), 2, op)
-    tensor.close()
-    assert np.array_equal(on_two[:, : array.shape[0]].T, alone[:, ::-1])
+    results = []
+    for column_major in (True, False):
+        matrix = _direct(array, variant, column_major)
+        order = "F" if column_major else "C"
+        ours = matrix(np.asarray(x, order=order))
+        assert ours.shape == exact.shape and np.abs(ours - exact).max() <= 2e-6 * np.abs(exact).max()
+        alone = np.concatenate([matrix(np.asarray(x[:, i : i + 1], order=order)) for i in range(70)], axis=1)
+        for count in (2, 5, 6, 7, 17, 70):
+            assert np.array_equal(matrix(np.asarray(x[:, -count:], order=order)), alone[:, -count:])
+        out = np.full((array.shape[0] + 3, 70), np.nan, np.float32, order=order)[1:-2]
+        assert matrix(x, out=out) is out and np.array_equal(out, alone)  # a view of a buffer, either layout
+        results.append(alone)
+    assert np.array_equal(*results)
 
 
-def test_both_variants_give_panels_the_same_numbers(weight):
+def test_both_variants_give_the_same_numbers_called_directly(weight):
     """Each element is one chain of fmadds over the inner index, in order, on either variant."""
     if len(f32_product.variants()) < 2:
         pytest.skip("this CPU runs one variant")
     _, array = weight
     x = np.random.default_rng(5).standard_normal((array.shape[1], 9), dtype=np.float32)
-    results = []
-    for variant in f32_product.variants():
-        matrix = Matrix(array)
-        matrix.pack(Allocator(), variant)
-        results.append(matrix(x))
-    assert np.array_equal(*results)
+    a, b = (_direct(array, variant, False)(x) for variant in f32_product.variants())
+    assert np.array_equal(a, b)
 
 
 def test_it_can_be_turned_off_or_held_to_avx2(monkeypatch):

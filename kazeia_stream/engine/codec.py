@@ -20,21 +20,23 @@ bit). The official semantics kept here: negative codes clamp to 0, the transpose
 convolutions trim (k - s) samples on the right only, the sliding window lets a query at t see
 keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
-Layout and speed: activations are channel-major, [channels, time] float32, and every layer is a
-few products W @ X (`Matrix`): in ggml graphs, on our float32 kernel (`f32_product`) or ggml's,
-for the layers of few columns per frame (the early stages: they read the weights in place,
-where OpenBLAS first packs them), on numpy's BLAS, one frame's columns at a time, for the
-others (weights on the left is the fast orientation); a convolution tap is a shifted column
-view of the layer's context buffer, which the producer writes into directly. Several streams'
-activations are [channels, time * streams], stream index fastest, so that a tap stays one
-column view and each multiplication reads its weights once for all the streams: the layers
-whose weights are large and columns few (up to the second decoder block, `JOINT_BLOCKS`) run
-so, on the streams' states stacked for the call; the later blocks run per stream. Each push
-sets its own BLAS thread count (threadpoolctl; one by default, whatever numpy's setting): the
-GEMMs are many and small, and OpenBLAS' threads spin after each one, taking the core that
-ggml's threads need (a second BLAS thread made the talker's next step ~2x slower, and synthesis
-of the tiny test models 30-80x). The products in ggml graphs run on one thread
-(`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
+a few products W @ X (`Matrix`): for the layers of few columns per frame (the early stages:
+reading the weights is their cost), in ggml graphs, on our float32 kernel (`f32_product`) or
+ggml's, which read the weights in place, where OpenBLAS first packs them; for the others, on
+our kernel called directly on the layers' own buffers, one frame's columns at a time, or on
+numpy's BLAS where it does not run (weights on the left is the fast orientation); a
+convolution tap is a shifted column view of the layer's context buffer, which the producer
+writes into directly. Several streams' activations are [channels, time * streams], stream
+index fastest, so that a tap stays one column view and each multiplication reads its weights
+once for all the streams: the layers whose weights are large and columns few (up to the second
+decoder block, `JOINT_BLOCKS`) run so, on the streams' states stacked for the call; the later
+blocks run per stream. Each push sets its own BLAS thread count (threadpoolctl; one by
+default, whatever numpy's setting): the GEMMs are many and small, and OpenBLAS' threads spin
+after each one, taking the core that ggml's threads need (a second BLAS thread made the
+talker's next step ~2x slower, and synthesis of the tiny test models 30-80x). The products in
+ggml graphs run on one thread (`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec
+MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -48,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -84,21 +86,20 @@ JOINT_BLOCKS = 2
 SMALL_GEMM_MNK = 100**3
 SMALL_GEMM_MAX_COLUMNS = 32
 SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
-# A product of at most this many columns runs in a ggml graph (`Matrix`), a wider one
-# on numpy's BLAS. OpenBLAS packs the weights before multiplying, at every call; with few
-# columns (the layers up to the first decoder block: 0.33 of the 0.42 GB of weights a frame
-# reads) that copy was most of a product's cost, while ggml's kernels read the weights in
-# place. One core, OpenBLAS' Haswell kernels, per shape: 12288x1536 by 4 columns 12.5 -> 4.7 ms,
-# the first block's 24 taps 768x768 by 32 columns 13.5 -> 10.9 ms, 384x384 by 160 even,
-# 192x192 by 640 11.2 -> 13.9 ms.
+# A product of at most this many columns runs in a ggml graph (`Matrix`) (from DIRECT_COLUMNS
+# on, on our kernel called directly where it runs), a wider one on numpy's BLAS. OpenBLAS packs
+# the weights before multiplying, at every call; with few columns (the layers up to the first
+# decoder block: 0.33 of the 0.42 GB of weights a frame reads) that copy was most of a product's
+# cost, while ggml's kernels read the weights in place. One core, OpenBLAS' Haswell kernels, per
+# shape: 12288x1536 by 4 columns 12.5 -> 4.7 ms, the first block's 24 taps 768x768 by 32 columns
+# 13.5 -> 10.9 ms, 384x384 by 160 even, 192x192 by 640 11.2 -> 13.9 ms.
 GGML_COLUMNS = 64
-# A product of this many columns per frame up to GGML_COLUMNS runs on our kernel's panels
-# where it runs (`Matrix.pack`): arithmetic, not reading the weights, is its cost. On Zen 4,
-# each through `Matrix`, one thread (README, "Measured", 2026-12-04, late night): 768x768 by
-# 9 columns 153 -> 144 us, by 36 477 -> 422 us, 384x384 by 40 145 -> 128 us, 3840x768 by 32
-# 2446 -> 1960 us. Wider products stay on numpy's BLAS, in place: there the transposes into and
-# out of a graph cost more than the kernel saves (96x96 by 1920: BLAS 356 us, panels 539).
-PANEL_COLUMNS = 8
+# A product of at least this many columns per frame runs on our kernel called directly, where
+# it runs (`Matrix.multiply_directly`): arithmetic, not reading the weights, is its cost, and
+# neither a graph's copies of its columns in and out nor BLAS's packing of W are paid. The
+# decoder alone on Zen 4 (README, "Measured", 2026-12-04, late night): one stream 52.7-53.2 against
+# 60.2-60.9 ms a frame, four 39.5-39.9 against 43.1-43.5 ms a stream-frame.
+DIRECT_COLUMNS = 8
 # A causal conv of more columns per frame multiplies tap by tap, on copies of its weight
 # (`CausalConv.split`); one of fewer, its weight in place on gathered columns. Per frame from
 # memory, one core: the entry conv (44 MB, 4 columns) 4.4 ms in place against 4.9 tap by tap;
@@ -180,30 +181,35 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
 
 
 class Matrix:
-    """A weight W [out, in] (float32) and W @ X: on ggml's graphs once `allocator` is set (the
-    decoder's compute buffer, which it sets for the layers of few columns per frame,
-    `GGML_COLUMNS`, and those of many on our kernel's panels, `PANEL_COLUMNS`); else on numpy's
-    BLAS. A column's numbers must not depend on the columns that come with it (other frames of
-    a push, other streams). On our kernel (`f32_product`) they never do: W's rows in place for
-    few columns (reading the weights is the cost), or its copy in panels once `pack`ed
-    (arithmetic is). Else, on ggml's: its several-column kernel gives the same numbers for any
-    count of at least two, its one-column kernel others, so a layer of one column per frame
-    (`by_column`) takes every column through the one-column kernel (ggml does when the columns
-    are not contiguous: they are read with a row of padding). numpy's depend on the count, and
-    the decoder calls those layers with one frame's columns at a time."""
+    """A weight W [out, in] (float32) and W @ X. The decoder chooses at its load: for few
+    columns per frame (reading the weights is the cost), on ggml's graphs once `allocator` is
+    set, which read W in place; for more (arithmetic is), on our kernel called directly
+    (`direct`), on the caller's buffers; else on numpy's BLAS. A column's numbers must not
+    depend on the columns that come with it (other frames of a push, other streams). On our
+    kernel (`f32_product`) they never do. Else, on ggml's: its several-column kernel gives the
+    same numbers for any count of at least two, its one-column kernel others, so a layer of one
+    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
+    when the columns are not contiguous: they are read with a row of padding). numpy's depend
+    on the count, and the decoder calls those layers with one frame's columns at a time.
 
-    def __init__(self, w: np.ndarray) -> None:
-        self.array = np.ascontiguousarray(w, dtype=F32)  # W, or its panels once packed
+    `column_major`: its callers hand X and the output with each column's numbers contiguous
+    (Winograd's planes), not each row's; our kernel then takes W packed in panels."""
+
+    def __init__(self, w: np.ndarray, column_major: bool = False) -> None:
+        self.array = np.ascontiguousarray(w, dtype=F32)  # W, or its panels once `direct`
         self.shape: tuple[int, int] = self.array.shape  # W's
+        self.column_major = column_major
         self.allocator: Allocator | None = None
         self.by_column = False
         self.variant: str | None = None  # our float32 kernel's, where the decoder's load chose it
-        self.panels = False
+        self.direct = False
         self._tensor: ArrayTensor | None = None
         self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """W @ x for x [in, n] (a column view of a buffer will do)."""
+        if self.direct:
+            return self._multiply(x, out)
         if self.allocator is None:
             return _matmul(self.array, x, out)
         graph, columns, result = self._graph(x.shape[1])
@@ -214,11 +220,29 @@ class Matrix:
         np.copyto(out, result.T)
         return out
 
-    def pack(self, allocator: Allocator, variant: str) -> None:
-        """Multiply on our kernel's `variant` from now on, W copied into its panels (the
-        row-major copy is let go)."""
-        self.allocator, self.variant, self.panels = allocator, variant, True
-        self.array = f32_product.pack(self.array)
+    def multiply_directly(self, variant: str) -> None:
+        """From now on, multiply on our kernel's `variant`, called directly: W in place, or
+        `column_major` copied into panels (the row-major copy let go)."""
+        self.direct, self.variant = True, variant
+        if self.column_major:
+            self.array = f32_product.pack(self.array)
+
+    def _multiply(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """`direct`: x and `out` in this matrix's layout are used in place, others copied."""
+        assert self.variant is not None
+        order: Literal["C", "F"] = "F" if self.column_major else "C"
+        n = x.shape[1]
+        y = (
+            out
+            if out is not None and _in_order(out, order)
+            else np.empty((self.shape[0], n), F32, order=order)
+        )
+        x = x if _in_order(x, order) else np.asarray(x, order=order)
+        f32_product.multiply(self.array, self.shape, x, y, self.variant)
+        if out is not None and y is not out:
+            np.copyto(out, y)
+            return out
+        return y
 
     def prepare(self, n: int) -> None:
         """Build the product's graph for n columns now, where it runs on ggml's kernels, not at
@@ -235,26 +259,26 @@ class Matrix:
         each column alone)."""
         assert self.allocator is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
-            (m, k), rows = self.shape, self.array.size // self.shape[1]  # rows: W's, or its panels'
             if self._tensor is None:
-                self._tensor = ArrayTensor(self.array, QType.F32, (rows, k))
-            w = self._tensor.tensor
+                self._tensor = ArrayTensor(self.array)
+            w, (m, k) = self._tensor.tensor, self.shape
             by_column = self.by_column and self.variant is None
             width = k + _ROW_PAD if by_column else k
             g = Graph(4)
             x = g.input(QType.F32, (n, width))
             columns = g.view(x, (k, n), (strides(x)[1],)) if by_column else x
             if self.variant is not None:
-                y = g.output(f32_product.product(g, w, columns, self.variant, self.panels))
+                y = g.output(f32_product.product(g, w, columns, self.variant))
             else:
                 y = g.output(g.mul_mat(w, columns))
             g.allocate(self.allocator)
-            self._graphs[n] = (
-                g,
-                view_of(x, QType.F32, (n, width))[:, :k],
-                view_of(y, QType.F32, (n, rows))[:, :m],
-            )
+            self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
+
+
+def _in_order(a: np.ndarray, order: str) -> bool:
+    """Whether a 2-D array's rows ("C") or columns ("F") each hold contiguous float32s."""
+    return a.dtype == F32 and a.strides[1 if order == "C" else 0] == 4
 
 
 def _sum_squares(x: np.ndarray) -> np.ndarray:
@@ -382,7 +406,7 @@ class CausalConv:
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
         weight = self.products[0].array.reshape(-1, self.c_in, self.k)
-        self.products = [Matrix(u) for u in winograd.kernel_weights(weight)]
+        self.products = [Matrix(u, column_major=True) for u in winograd.kernel_weights(weight)]
         self.method = "winograd"
 
     def calls(self, n: int) -> Iterator[tuple[Matrix, int]]:
@@ -871,8 +895,8 @@ class CodecDecoder:
                 conv.split()
         kernel = f32_product.chosen()
         for matrix, columns in self._columns().values():
-            if kernel is not None and PANEL_COLUMNS <= columns <= GGML_COLUMNS:
-                matrix.pack(self._allocator, kernel)
+            if kernel is not None and columns >= DIRECT_COLUMNS:
+                matrix.multiply_directly(kernel)
             elif columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
                 matrix.variant = kernel

@@ -8,6 +8,9 @@
    claim chunks of weight rows in turn (`claim`, ggml_op.h), each read from memory once while
    every column passes. */
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "ggml_op.h"
 
 #define ROWS 4 /* weight rows per tile */
@@ -248,10 +251,132 @@ AVX2 INLINE void panel256(const float *w, int64_t k, const float *x, size_t x_ro
 PANELS_BY(AVX512, panels512, panel512, PANELS512)
 PANELS_BY(AVX2, panels256, panel256, PANELS256)
 
+/* dst = W x for a packed W of m rows, called directly (the codec decoder's own buffers, on
+   its one thread): column j of x at x + j * x_col (k floats), of dst at dst + j * dst_col (m
+   floats; the last panel's rows beyond m are computed aside and left out). */
+static void panels_at(void (*panels)(const struct operands *, int64_t, int64_t, int64_t),
+                      const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
+                      int64_t n, float *dst, int64_t dst_col) {
+    const int64_t full = m / PANEL, rest = m % PANEL;
+    const struct operands o = {.w = w, .x = x, .dst = dst, .x_row = x_col, .dst_row = dst_col, .k = k};
+    panels(&o, 0, full, n);
+    if (!rest) return;
+    float *aside = malloc((size_t)n * PANEL * sizeof(float));
+    if (aside == NULL) abort(); /* as numpy would raise */
+    const struct operands last = {.w = w + full * k * PANEL, .x = x, .dst = aside, .x_row = x_col, .dst_row = PANEL, .k = k};
+    panels(&last, 0, 1, n);
+    for (int64_t j = 0; j < n; j++) memcpy(dst + j * dst_col + full * PANEL, aside + j * PANEL, rest * sizeof(float));
+    free(aside);
+}
+
+void kz_f32_product_panels_avx512(const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
+                                  int64_t n, float *dst, int64_t dst_col) {
+    panels_at(panels512, w, m, k, x, x_col, n, dst, dst_col);
+}
+
+void kz_f32_product_panels_avx2(const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
+                                int64_t n, float *dst, int64_t dst_col) {
+    panels_at(panels256, w, m, k, x, x_col, n, dst, dst_col);
+}
+
+/* Rows: W in place [m, k] times x [k, n] whose rows are contiguous, into dst [m, n] likewise,
+   called directly (the decoder's context buffers and outputs, channel-major): lanes over the
+   columns, each W[i, l] broadcast, so that every element of dst is again one chain of fmadds
+   over k in order, from zero: the numbers of the panels above, on either variant. Tiles of a
+   few rows of W by a few vectors of columns, the last vector masked. */
+
+/* AVX-512: up to BROWS512 rows x BVECS512 vectors of 16 columns (24 of the 32 registers). */
+#define BROWS512 6
+#define BVECS512 4
+
+AVX512 INLINE void bcast512(const float *w, int64_t w_row, int64_t k, const float *x, int64_t x_row,
+                            float *dst, int64_t dst_row, const int rr, const int rc, __mmask16 last) {
+    __m512 acc[BROWS512][BVECS512];
+    for (int a = 0; a < rr; a++)
+        for (int c = 0; c < rc; c++) acc[a][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < k; l++) {
+        __m512 xv[BVECS512];
+        for (int c = 0; c < rc - 1; c++) xv[c] = _mm512_loadu_ps(x + l * x_row + 16 * c);
+        xv[rc - 1] = _mm512_maskz_loadu_ps(last, x + l * x_row + 16 * (rc - 1));
+        for (int a = 0; a < rr; a++) {
+            __m512 wb = _mm512_set1_ps(w[a * w_row + l]);
+            for (int c = 0; c < rc; c++) acc[a][c] = _mm512_fmadd_ps(wb, xv[c], acc[a][c]);
+        }
+    }
+    for (int a = 0; a < rr; a++) {
+        for (int c = 0; c < rc - 1; c++) _mm512_storeu_ps(dst + a * dst_row + 16 * c, acc[a][c]);
+        _mm512_mask_storeu_ps(dst + a * dst_row + 16 * (rc - 1), last, acc[a][rc - 1]);
+    }
+}
+
+/* AVX2: up to BROWS256 rows x BVECS256 vectors of 8 columns (12 of the 16 registers). */
+#define BROWS256 4
+#define BVECS256 3
+
+AVX2 INLINE void bcast256(const float *w, int64_t w_row, int64_t k, const float *x, int64_t x_row,
+                          float *dst, int64_t dst_row, const int rr, const int rc, int last) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 acc[BROWS256][BVECS256];
+    for (int a = 0; a < rr; a++)
+        for (int c = 0; c < rc; c++) acc[a][c] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < k; l++) {
+        __m256 xv[BVECS256];
+        for (int c = 0; c < rc - 1; c++) xv[c] = _mm256_loadu_ps(x + l * x_row + 8 * c);
+        xv[rc - 1] = _mm256_maskload_ps(x + l * x_row + 8 * (rc - 1), mask);
+        for (int a = 0; a < rr; a++) {
+            __m256 wb = _mm256_set1_ps(w[a * w_row + l]);
+            for (int c = 0; c < rc; c++) acc[a][c] = _mm256_fmadd_ps(wb, xv[c], acc[a][c]);
+        }
+    }
+    for (int a = 0; a < rr; a++) {
+        for (int c = 0; c < rc - 1; c++) _mm256_storeu_ps(dst + a * dst_row + 8 * c, acc[a][c]);
+        _mm256_maskstore_ps(dst + a * dst_row + 8 * (rc - 1), mask, acc[a][rc - 1]);
+    }
+}
+
+/* tile(..., rr, rc, last) for rc of 1..4 (AVX2: 1..3), each count's body inlined */
+#define VECS(tile, top, w, w_row, k, x, x_row, dst, dst_row, rr, rc, last)    \
+    switch (rc) {                                                             \
+    case 1: tile(w, w_row, k, x, x_row, dst, dst_row, rr, 1, last); break;    \
+    case 2: tile(w, w_row, k, x, x_row, dst, dst_row, rr, 2, last); break;    \
+    case 3: tile(w, w_row, k, x, x_row, dst, dst_row, rr, 3, last); break;    \
+    default: tile(w, w_row, k, x, x_row, dst, dst_row, rr, top, last); break; \
+    }
+
+/* Rows of W by every column: tiles of `rows` (at most 6) rows (then the rows left) by
+   `vecs` vectors of `lanes` columns (then the columns left, the last vector masked). */
+#define BCAST_BY(target, name, tile, rows, vecs, lanes, mask_of)                                       \
+    target void name(const float *w, int64_t m, int64_t k, int64_t w_row, const float *x,             \
+                     int64_t x_row, int64_t n, float *dst, int64_t dst_row) {                         \
+        for (int64_t i = 0; i < m; i += rows) {                                                       \
+            const int rr = m - i < rows ? (int)(m - i) : rows;                                        \
+            for (int64_t j = 0; j < n; j += vecs * lanes) {                                           \
+                const int64_t cols = n - j < vecs * lanes ? n - j : vecs * lanes;                     \
+                const int rc = (int)((cols + lanes - 1) / lanes);                                     \
+                const int left = (int)(cols - (rc - 1) * lanes); /* columns in the last vector */    \
+                const float *wi = w + i * w_row, *xj = x + j;                                         \
+                float *d = dst + i * dst_row + j;                                                     \
+                switch (rr) {                                                                         \
+                case 1: VECS(tile, vecs, wi, w_row, k, xj, x_row, d, dst_row, 1, rc, mask_of(left)) break; \
+                case 2: VECS(tile, vecs, wi, w_row, k, xj, x_row, d, dst_row, 2, rc, mask_of(left)) break; \
+                case 3: VECS(tile, vecs, wi, w_row, k, xj, x_row, d, dst_row, 3, rc, mask_of(left)) break; \
+                case 4: VECS(tile, vecs, wi, w_row, k, xj, x_row, d, dst_row, 4, rc, mask_of(left)) break; \
+                case 5: VECS(tile, vecs, wi, w_row, k, xj, x_row, d, dst_row, 5 < rows ? 5 : rows, rc, mask_of(left)) break; \
+                default: VECS(tile, vecs, wi, w_row, k, xj, x_row, d, dst_row, rows, rc, mask_of(left)) break; \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+#define MASK16(left) ((__mmask16)((1u << (left)) - 1))
+#define COUNT8(left) (left)
+
+BCAST_BY(AVX512, kz_f32_product_rows_avx512, bcast512, BROWS512, BVECS512, 16, MASK16)
+BCAST_BY(AVX2, kz_f32_product_rows_avx2, bcast256, BROWS256, BVECS256, 8, COUNT8)
+
 /* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
-   weights (rows in place, or `panels`: dst's rows come 16 at a time), src[1] x, on one
-   variant's tiles. */
-static void product(struct tensor *dst, int nth, struct claims *claims, int panels,
+   weights, src[1] x, on one variant's tiles. */
+static void product(struct tensor *dst, int nth, struct claims *claims,
                     void (*rows)(const struct operands *, int64_t, int64_t, int64_t)) {
     const struct tensor *w = dst->src[0], *x = dst->src[1];
     const struct operands o = {
@@ -263,28 +388,16 @@ static void product(struct tensor *dst, int nth, struct claims *claims, int pane
         .dst_row = dst->nb[1] / sizeof(float),
         .k = w->ne[0],
     };
-    const int64_t per = panels ? PANEL : 1; /* rows of dst per unit of rows() */
-    for (int64_t first, last; claim(claims, w->ne[1], &first, &last);)
-        rows(&o, first / per, (last + per - 1) / per, x->ne[1]);
+    for (int64_t first, last; claim(claims, w->ne[1], &first, &last);) rows(&o, first, last, x->ne[1]);
     claimed(claims, nth);
 }
 
 void kz_f32_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
     (void)ith;
-    product(dst, nth, claims, 0, rows512);
+    product(dst, nth, claims, rows512);
 }
 
 void kz_f32_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
     (void)ith;
-    product(dst, nth, claims, 0, rows256);
-}
-
-void kz_f32_product_panels_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    (void)ith;
-    product(dst, nth, claims, 1, panels512);
-}
-
-void kz_f32_product_panels_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    (void)ith;
-    product(dst, nth, claims, 1, panels256);
+    product(dst, nth, claims, rows256);
 }
