@@ -26,11 +26,11 @@ from kazeia_stream.engine.ggml_graph import (
 pytestmark, op = on_each_variant(q8_product)
 
 
-@pytest.fixture(scope="module", params=[(200, 96), (64, 1024), (40, 224)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.fixture(scope="module", params=[(200, 96), (64, 1024), (40, 352)], ids=lambda s: f"{s[0]}x{s[1]}")
 def weight(request):
     """A Q8_0 weight [m, k] as a ggml tensor over its bytes: 200 x 96 has rows that fill no
-    tile of 16 and an odd block count per row (3, no group of four); 64 x 1024 an even one (32,
-    eight groups of four); 40 x 224 a group of four and three blocks beyond it."""
+    tile of 16 and an odd block count per row (3, no group of eight); 64 x 1024 an even one (32,
+    four groups of eight); 40 x 352 a group of eight and three blocks beyond it."""
     m, k = request.param
     rng = np.random.default_rng(m)
     data = quantize(rng.standard_normal((m, k), dtype=np.float32), QType.Q8_0)

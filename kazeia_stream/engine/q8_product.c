@@ -3,8 +3,8 @@
    dst [m, n] = w [m, k] (Q8_0: blocks of an fp16 scale and 32 int8) @ x [k, n] (float32 rows),
    the rows of x quantized to Q8_0 as ggml does. Two variants of the same loops: int8 products on
    AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it) and
-   the int32 sums of two registers added pairwise, so that one conversion and one fmadd scale
-   four blocks, or on AVX2 (u8 x s8 pairs, then pairs of int16: |x| times w with x's sign), two
+   the int32 sums of four registers added pairwise twice, so that one conversion and one fmadd
+   scale eight blocks (sixteen, in one more step, measured slower), or on AVX2 (u8 x s8 pairs, then pairs of int16: |x| times w with x's sign), two
    blocks per 256-bit register, interleaved eight bytes at a time so that one conversion and one
    fmadd scale both. A row of dst is summed in one order whatever n is, so a
    sequence's numbers do not depend on the rows computed beside it. ggml's threads take chunks
@@ -54,24 +54,24 @@ struct layout {
     int blocks, bytes, floats;
 };
 
-/* AVX512-VNNI: groups of four blocks, their 128 int8 + 128 in order, and their scales as the
-   lanes of a group's int32 sums come out of rows512 (quad512): 128-bit lanes 0 and 1 hold
-   blocks 0, 2, 0, 2, lanes 2 and 3 blocks 1, 3, 1, 3. The blocks beyond the last group, their
+/* AVX512-VNNI: groups of eight blocks, their 256 int8 + 128 in order, and their scales as the
+   lanes of a group's int32 sums come out of rows512 (octet512): 128-bit lanes 0 and 1 hold
+   blocks 0, 2, 4, 6, lanes 2 and 3 blocks 1, 3, 5, 7. The blocks beyond the last group, their
    int8 after it, their scales one float each. */
-static const struct layout layout512 = {4, 128, 16};
+static const struct layout layout512 = {8, 256, 16};
 
 AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d16) {
-    const int64_t nb = k / 32, groups = nb / 4;
+    const int64_t nb = k / 32, groups = nb / 8;
     for (int64_t b = 0; b < nb; b++) {
         __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         float d;
         __m512 id = _mm512_set1_ps(scale(amax, &d));
-        if (b < groups * 4) { /* lanes 4j + 2c + (b & 2) / 2, for j of (b & 1) * 2 + {0, 1}, c 0, 1 */
-            float *g = d16 + b / 4 * 16 + (b & 1) * 8 + (b & 2) / 2;
-            for (int l = 0; l < 8; l += 2) g[l] = d;
+        if (b < groups * 8) { /* block i of a group: lanes 4 j + i / 2, j of (i & 1) * 2 + {0, 1} */
+            float *g = d16 + b / 8 * 16 + (b & 1) * 8 + (b & 7) / 2;
+            g[0] = g[4] = d;
         } else {
-            d16[groups * 16 + b - groups * 4] = d;
+            d16[groups * 16 + b - groups * 8] = d;
         }
         const __m128i offset = _mm_set1_epi8((char)0x80); /* q + 128: unsigned for vpdpbusd */
         __m128i q_lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id)));
@@ -143,57 +143,67 @@ typedef void tile_fn(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row
         }                                                                                       \
     }
 
-/* The int32 sums of a group of four weight blocks (wq0: blocks 0 and 1, wq1: 2 and 3) with one
-   row of x, each dot product starting from `start` (-128 times the sums of w's four int8, as x
-   holds q + 128, unsigned for vpdpbusd): the two registers' lanes added pairwise into one, so
-   that a conversion, a product of the scales and an fmadd serve four blocks. The lanes of a
-   block come out as layout512 lays out its scales. */
-AVX512 INLINE __m512i quad512(__m512i wq0, __m512i wq1, __m512i start0, __m512i start1, const int8_t *q) {
-    __m512i dot0 = _mm512_dpbusd_epi32(start0, _mm512_loadu_si512((const void *)q), wq0);
-    __m512i dot1 = _mm512_dpbusd_epi32(start1, _mm512_loadu_si512((const void *)(q + 64)), wq1);
-    return _mm512_add_epi32(_mm512_unpacklo_epi32(dot0, dot1), _mm512_unpackhi_epi32(dot0, dot1));
+/* The int32 sums of a group of eight weight blocks (wq[i]: blocks 2 i and 2 i + 1) with one row
+   of x, each dot product starting from start[i] (-128 times the sums of w's four int8, as x
+   holds q + 128, unsigned for vpdpbusd): the four registers' lanes added pairwise, then the
+   two results', into one, so that a conversion, a product of the scales and an fmadd serve
+   eight blocks (on Zen 4 those float operations were the kernel's limit: one product fewer
+   per group of four took a fifth off four rows' time). The lanes of a block come out as
+   layout512 lays out its scales. */
+AVX512 INLINE __m512i octet512(const __m512i wq[4], const __m512i start[4], const int8_t *q) {
+    __m512i dot[4];
+    for (int i = 0; i < 4; i++)
+        dot[i] = _mm512_dpbusd_epi32(start[i], _mm512_loadu_si512((const void *)(q + 64 * i)), wq[i]);
+    __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[0], dot[1]), _mm512_unpackhi_epi32(dot[0], dot[1]));
+    __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[2], dot[3]), _mm512_unpackhi_epi32(dot[2], dot[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
-/* -128 times the sums of each four int8 of w (see quad512). */
+/* -128 times the sums of each four int8 of w (see octet512). */
 AVX512 INLINE __m512i start512(__m512i wq) {
     const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8((char)0x80);
     return _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, wq));
 }
 
+/* Two fp16 scales of every other block from `first`, of blocks first, first + 2, first + 4 and
+   first + 6, in the lanes of a 64-bit integer. */
+static inline uint64_t every_other(const block_q8_0 *first) {
+    return (uint64_t)first[0].d | (uint64_t)first[2].d << 16 | (uint64_t)first[4].d << 32 |
+           (uint64_t)first[6].d << 48;
+}
+
 AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, const int n,
                            const int8_t *q, const float *d16, float *dst, size_t dst_row, int64_t r0,
                            int64_t r1) {
-    const int64_t groups = nb / 4;
+    const int64_t groups = nb / 8;
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
         __m512 acc[ROWS];
         for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            const block_q8_0 *wb = wr + 4 * g;
-            _mm_prefetch((const char *)wb + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)wb + PREFETCH + 64, _MM_HINT_T0);
-            __m512i wq0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wb[0].qs)),
-                                             _mm256_loadu_si256((const __m256i *)wb[1].qs), 1);
-            __m512i wq1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wb[2].qs)),
-                                             _mm256_loadu_si256((const __m256i *)wb[3].qs), 1);
-            __m512i start0 = start512(wq0), start1 = start512(wq1);
-            /* the scales as the lanes of quad512's sums: 0, 2, 0, 2 twice, then 1, 3, 1, 3 twice */
-            const uint64_t h0 = wb[0].d, h1 = wb[1].d, h2 = wb[2].d, h3 = wb[3].d;
-            __m256 d8 = _mm256_cvtph_ps(_mm_set_epi64x((long long)(h1 | h3 << 16 | h1 << 32 | h3 << 48),
-                                                       (long long)(h0 | h2 << 16 | h0 << 32 | h2 << 48)));
+            const block_q8_0 *wb = wr + 8 * g;
+            for (int l = 0; l < 5; l++) _mm_prefetch((const char *)wb + PREFETCH + 64 * l, _MM_HINT_T0);
+            __m512i wq[4], start[4];
+            for (int i = 0; i < 4; i++) {
+                wq[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wb[2 * i].qs)),
+                                           _mm256_loadu_si256((const __m256i *)wb[2 * i + 1].qs), 1);
+                start[i] = start512(wq[i]);
+            }
+            /* the scales as the lanes of octet512's sums: 0, 2, 4, 6 twice, then 1, 3, 5, 7 twice */
+            __m256 d8 = _mm256_cvtph_ps(_mm_set_epi64x((long long)every_other(wb + 1), (long long)every_other(wb)));
             __m512 dw = _mm512_castps256_ps512(d8);
             dw = _mm512_shuffle_f32x4(dw, dw, 0x50);
             for (int r = 0; r < n; r++) {
-                __m512i sums = quad512(wq0, wq1, start0, start1, q + r * q_row + g * 128);
+                __m512i sums = octet512(wq, start, q + r * q_row + g * 256);
                 __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(d16 + r * d_row + g * 16));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
             }
         }
-        for (int64_t b = groups * 4; b < nb; b++) { /* the blocks beyond the last group */
+        for (int64_t b = groups * 8; b < nb; b++) { /* the blocks beyond the last group */
             __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
             __m256i start = _mm512_castsi512_si256(start512(_mm512_castsi256_si512(wq)));
             const float dw = _cvtsh_ss(wr[b].d);
-            const int64_t t = b - groups * 4;
+            const int64_t t = b - groups * 8;
             for (int r = 0; r < n; r++) {
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * q_row + b * 32));
                 __m256i dot = _mm256_dpbusd_epi32(start, xq, wq);
