@@ -86,20 +86,22 @@ JOINT_BLOCKS = 2
 SMALL_GEMM_MNK = 100**3
 SMALL_GEMM_MAX_COLUMNS = 32
 SMALL_GEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
-# A product of at most this many columns runs in a ggml graph (`Matrix`) (from DIRECT_COLUMNS
-# on, on our kernel called directly where it runs), a wider one on numpy's BLAS. OpenBLAS packs
+# Where our kernel does not run, a product of at most this many columns runs in a ggml graph
+# (`Matrix`), a wider one on numpy's BLAS. OpenBLAS packs
 # the weights before multiplying, at every call; with few columns (the layers up to the first
 # decoder block: 0.33 of the 0.42 GB of weights a frame reads) that copy was most of a product's
 # cost, while ggml's kernels read the weights in place. One core, OpenBLAS' Haswell kernels, per
 # shape: 12288x1536 by 4 columns 12.5 -> 4.7 ms, the first block's 24 taps 768x768 by 32 columns
 # 13.5 -> 10.9 ms, 384x384 by 160 even, 192x192 by 640 11.2 -> 13.9 ms.
 GGML_COLUMNS = 64
-# A product of at least this many columns per frame runs on our kernel called directly, where
-# it runs (`Matrix.multiply_directly`): arithmetic, not reading the weights, is its cost, and
-# neither a graph's copies of its columns in and out nor BLAS's packing of W are paid. The
-# decoder alone on Zen 4 (README, "Measured", 2026-12-04, late night): one stream 52.7-53.2 against
-# 60.2-60.9 ms a frame, four 39.5-39.9 against 43.1-43.5 ms a stream-frame.
-DIRECT_COLUMNS = 8
+# Where our kernel runs (`Matrix.multiply_directly`), a product of fewer columns per frame than
+# this takes its weight in panels (a copy; the weights then stream from memory at 32-43 GB/s
+# on Zen 4, against 17-35 in place four rows at a time), one of more in place (the columns'
+# rows are contiguous in the decoder's buffers), unless its inputs come column-major. The
+# decoder alone on Zen 4 (README, "Measured", 2026-12-04, late night): one stream 44.3-44.4 ms
+# a frame against 60.2-60.9 on ggml's graphs and numpy's BLAS, four streams 34.6 against
+# 43.1-43.5 ms a stream-frame.
+PANEL_COLUMNS = 8
 # A causal conv of more columns per frame multiplies tap by tap, on copies of its weight
 # (`CausalConv.split`); one of fewer, its weight in place on gathered columns. Per frame from
 # memory, one core: the entry conv (44 MB, 4 columns) 4.4 ms in place against 4.9 tap by tap;
@@ -181,34 +183,34 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
 
 
 class Matrix:
-    """A weight W [out, in] (float32) and W @ X. The decoder chooses at its load: for few
-    columns per frame (reading the weights is the cost), on ggml's graphs once `allocator` is
-    set, which read W in place; for more (arithmetic is), on our kernel called directly
-    (`direct`), on the caller's buffers; else on numpy's BLAS. A column's numbers must not
-    depend on the columns that come with it (other frames of a push, other streams). On our
-    kernel (`f32_product`) they never do. Else, on ggml's: its several-column kernel gives the
-    same numbers for any count of at least two, its one-column kernel others, so a layer of one
-    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
-    when the columns are not contiguous: they are read with a row of padding). numpy's depend
-    on the count, and the decoder calls those layers with one frame's columns at a time.
-
-    `column_major`: its callers hand X and the output with each column's numbers contiguous
-    (Winograd's planes), not each row's; our kernel then takes W packed in panels."""
+    """A weight W [out, in] (float32) and W @ X. A column's numbers must not depend on the
+    columns that come with it (other frames of a push, other streams). The decoder's load
+    chooses where it runs. On our kernel where it runs (`multiply_directly`), called on the
+    caller's buffers, its numbers never do: W copied into `panels`, for inputs whose columns
+    each hold contiguous numbers (`column_major`: Winograd's planes) and for few columns a
+    frame (the weights stream from memory faster so), or W in place, for the others. Else on
+    ggml's graphs once `allocator` is set (few columns per frame: they read W in place, where
+    OpenBLAS first packs it), whose several-column kernel gives the same numbers for any count
+    of at least two, its one-column kernel others, so a layer of one column per frame
+    (`by_column`) takes every column through the one-column kernel (ggml does when the columns
+    are not contiguous: they are read with a row of padding); or on numpy's BLAS, whose
+    numbers depend on the count: the decoder calls those layers with one frame's columns at a
+    time."""
 
     def __init__(self, w: np.ndarray, column_major: bool = False) -> None:
-        self.array = np.ascontiguousarray(w, dtype=F32)  # W, or its panels once `direct`
+        self.array = np.ascontiguousarray(w, dtype=F32)  # W, or its panels
         self.shape: tuple[int, int] = self.array.shape  # W's
         self.column_major = column_major
         self.allocator: Allocator | None = None
         self.by_column = False
-        self.variant: str | None = None  # our float32 kernel's, where the decoder's load chose it
-        self.direct = False
+        self.variant: str | None = None  # our kernel's, once `multiply_directly`
+        self.panels = False
         self._tensor: ArrayTensor | None = None
         self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """W @ x for x [in, n] (a column view of a buffer will do)."""
-        if self.direct:
+        if self.variant is not None:
             return self._multiply(x, out)
         if self.allocator is None:
             return _matmul(self.array, x, out)
@@ -220,29 +222,26 @@ class Matrix:
         np.copyto(out, result.T)
         return out
 
-    def multiply_directly(self, variant: str) -> None:
+    def multiply_directly(self, variant: str, panels: bool) -> None:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
-        `column_major` copied into panels (the row-major copy let go)."""
-        self.direct, self.variant = True, variant
-        if self.column_major:
-            self.array = f32_product.pack(self.array)
+        copied into `panels` (the row-major copy let go)."""
+        self.variant, self.panels = variant, panels
+        if panels:
+            self.array = f32_product.pack(self.array, variant)
 
     def _multiply(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        """`direct`: x and `out` in this matrix's layout are used in place, others copied."""
+        """On our kernel: x and `out` in the layout it takes are used in place, others copied."""
         assert self.variant is not None
-        order: Literal["C", "F"] = "F" if self.column_major else "C"
-        n = x.shape[1]
-        y = (
-            out
-            if out is not None and _in_order(out, order)
-            else np.empty((self.shape[0], n), F32, order=order)
-        )
+        order: Literal["C", "F"] = "F" if self.panels else "C"
+        fits = out is not None and _in_order(out, order)
+        y = out if out is not None and fits else np.empty((self.shape[0], x.shape[1]), F32, order=order)
         x = x if _in_order(x, order) else np.asarray(x, order=order)
         f32_product.multiply(self.array, self.shape, x, y, self.variant)
-        if out is not None and y is not out:
+        if out is None:  # in C order: numpy's reductions sum a column otherwise in another order
+            return np.ascontiguousarray(y)
+        if y is not out:
             np.copyto(out, y)
-            return out
-        return y
+        return out
 
     def prepare(self, n: int) -> None:
         """Build the product's graph for n columns now, where it runs on ggml's kernels, not at
@@ -251,26 +250,21 @@ class Matrix:
             self._graph(n)
 
     def _graph(self, n: int) -> tuple[Graph, np.ndarray, np.ndarray]:
-        """The product's graph for n columns: one product, its input [n, in] and output
-        [n, out] (ggml's column-major orientation) as numpy views. On our kernel's `variant`
-        (`f32_product`: a column's numbers the same beside any others); else on ggml's, and
-        `by_column` the input's rows are padded and the product reads a view of them (not
-        contiguous: llamafile's several-column kernel declines it, and ggml's own loop takes
-        each column alone)."""
+        """The product's graph for n columns on ggml's kernels: one product, its input [n, in]
+        and output [n, out] (ggml's column-major orientation) as numpy views; `by_column` the
+        input's rows are padded and the product reads a view of them (not contiguous:
+        llamafile's several-column kernel declines it, and ggml's own loop takes each column
+        alone)."""
         assert self.allocator is not None
         if n not in self._graphs or not self._graphs[n][0].placed:
             if self._tensor is None:
                 self._tensor = ArrayTensor(self.array)
             w, (m, k) = self._tensor.tensor, self.shape
-            by_column = self.by_column and self.variant is None
-            width = k + _ROW_PAD if by_column else k
+            width = k + _ROW_PAD if self.by_column else k
             g = Graph(4)
             x = g.input(QType.F32, (n, width))
-            columns = g.view(x, (k, n), (strides(x)[1],)) if by_column else x
-            if self.variant is not None:
-                y = g.output(f32_product.product(g, w, columns, self.variant))
-            else:
-                y = g.output(g.mul_mat(w, columns))
+            columns = g.view(x, (k, n), (strides(x)[1],)) if self.by_column else x
+            y = g.output(g.mul_mat(w, columns))
             g.allocate(self.allocator)
             self._graphs[n] = (g, view_of(x, QType.F32, (n, width))[:, :k], view_of(y, QType.F32, (n, m)))
         return self._graphs[n]
@@ -895,11 +889,10 @@ class CodecDecoder:
                 conv.split()
         kernel = f32_product.chosen()
         for matrix, columns in self._columns().values():
-            if kernel is not None and columns >= DIRECT_COLUMNS:
-                matrix.multiply_directly(kernel)
+            if kernel is not None:
+                matrix.multiply_directly(kernel, panels=matrix.column_major or columns < PANEL_COLUMNS)
             elif columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
-                matrix.variant = kernel
             prefault(matrix.array)  # the weights used in place: the first frame is heard first
         for _ in range(2):  # a frame's graphs too; again where the buffer's growth left one stale
             for matrix, columns in self.products():

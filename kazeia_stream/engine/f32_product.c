@@ -1,19 +1,19 @@
-/* Float32 weights times float32 columns, as a ggml custom operation (see f32_product.py for why).
+/* Float32 weights times float32 columns, called directly by the codec decoder on its own
+   buffers (see f32_product.py for why), on one thread.
 
-   dst [n, m] = w [m, k] @ x [k, n] (each column of x, and each row of dst, contiguous). Lanes
-   over k: every element of dst has a vector accumulator of its own (16 lanes on AVX-512, 8 on
-   AVX2), fed its products in the order of k and summed across its lanes in one fixed order at
-   the end, so a column's numbers do not depend on how many columns come with it or where it
-   sits among them. Tiles of 4 weight rows by a few columns share their loads; ggml's threads
-   claim chunks of weight rows in turn (`claim`, ggml_op.h), each read from memory once while
-   every column passes. */
+   Every element of a product is one chain of fmadds over the inner index k, in order, from
+   zero, so that a column's numbers do not depend on how many columns come with it or where it
+   sits among them, on either variant (AVX-512, AVX2) and either layout: weights packed in
+   panels, times columns of contiguous numbers (lanes over the weight's rows), or weights in
+   place, times rows of contiguous numbers (lanes over the columns). Tiles are outer products:
+   no sums across lanes are left to do at the end. */
 
+#include <immintrin.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ggml_op.h"
-
-#define ROWS 4 /* weight rows per tile */
+#define INLINE static inline __attribute__((always_inline))
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -24,151 +24,18 @@ int kz_f32_product_level(void) {
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 
-/* Where a tile reads and writes: w's rows [i0, i0 + rm), x's columns [j0, j0 + rn). */
+/* Where the panels' tiles read and write: column j of x at x + j * x_row (k floats), of dst at
+   dst + j * dst_row. */
 struct operands {
     const float *w, *x;
     float *dst;
-    size_t w_row, x_row, dst_row; /* in floats */
+    size_t x_row, dst_row; /* in floats */
     int64_t k;
 };
 
-/* AVX-512: up to ROWS x COLS512 accumulators (16 of the 32 registers). */
-#define COLS512 4
-
-/* A full tile's 16 sums, each across its accumulator's lanes in _mm512_reduce_add_ps's order
-   (lanes i and i + 8, then i and i + 4, i and i + 2, i and i + 1: the same numbers), but four
-   accumulators to a register at each stage: on Zen 4 the decoder's products of k = 96..768
-   took 8-36% longer with the 16 one at a time. Column b's rows end in quarter b of the last. */
-AVX512 INLINE void sums512(__m512 acc[ROWS][COLS512], float *dst, size_t dst_row) {
-    __m512 h[8], f[4], e[2];
-    for (int a = 0; a < ROWS; a++) /* [p_i + p_i+8 | q_i + q_i+8], (p, q) a row's columns */
-        for (int m = 0; m < 2; m++) {
-            __m512 p = acc[a][2 * m], q = acc[a][2 * m + 1];
-            h[2 * a + m] =
-                _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x44), _mm512_shuffle_f32x4(p, q, 0xEE));
-        }
-    for (int c = 0; c < 4; c++) /* lanes i and i + 4: quarter b row c's column b */
-        f[c] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * c], h[2 * c + 1], 0x88),
-                             _mm512_shuffle_f32x4(h[2 * c], h[2 * c + 1], 0xDD));
-    for (int d = 0; d < 2; d++) /* lanes i and i + 2, within each quarter */
-        e[d] = _mm512_add_ps(_mm512_shuffle_ps(f[2 * d], f[2 * d + 1], 0x44),
-                             _mm512_shuffle_ps(f[2 * d], f[2 * d + 1], 0xEE));
-    /* lanes i and i + 1: quarter b is column b's rows 0..3 */
-    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
-    _mm_storeu_ps(dst, _mm512_castps512_ps128(s));
-    _mm_storeu_ps(dst + dst_row, _mm512_extractf32x4_ps(s, 1));
-    _mm_storeu_ps(dst + 2 * dst_row, _mm512_extractf32x4_ps(s, 2));
-    _mm_storeu_ps(dst + 3 * dst_row, _mm512_extractf32x4_ps(s, 3));
-}
-
-AVX512 INLINE void tile512(const struct operands *o, int64_t i0, int64_t j0, const int rm,
-                           const int rn) {
-    __m512 acc[ROWS][COLS512];
-    for (int a = 0; a < rm; a++)
-        for (int b = 0; b < rn; b++) acc[a][b] = _mm512_setzero_ps();
-    const float *w = o->w + i0 * o->w_row, *x = o->x + j0 * o->x_row;
-    int64_t l = 0;
-    for (; l + 16 <= o->k; l += 16) {
-        __m512 wv[ROWS];
-        for (int a = 0; a < rm; a++) wv[a] = _mm512_loadu_ps(w + a * o->w_row + l);
-        for (int b = 0; b < rn; b++) {
-            __m512 xv = _mm512_loadu_ps(x + b * o->x_row + l);
-            for (int a = 0; a < rm; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);
-        }
-    }
-    if (l < o->k) { /* the last lanes: zeros beyond k */
-        const __mmask16 mask = (__mmask16)((1u << (o->k - l)) - 1);
-        __m512 wv[ROWS];
-        for (int a = 0; a < rm; a++) wv[a] = _mm512_maskz_loadu_ps(mask, w + a * o->w_row + l);
-        for (int b = 0; b < rn; b++) {
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + b * o->x_row + l);
-            for (int a = 0; a < rm; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);
-        }
-    }
-    if (rm == ROWS && rn == COLS512) {
-        sums512(acc, o->dst + j0 * o->dst_row + i0, o->dst_row);
-        return;
-    }
-    for (int a = 0; a < rm; a++)
-        for (int b = 0; b < rn; b++)
-            o->dst[(j0 + b) * o->dst_row + i0 + a] = _mm512_reduce_add_ps(acc[a][b]);
-}
-
-/* AVX2: up to ROWS x COLS256 accumulators (12 of the 16 registers). */
-#define COLS256 3
-
-AVX2 INLINE void tile256(const struct operands *o, int64_t i0, int64_t j0, const int rm,
-                         const int rn) {
-    __m256 acc[ROWS][COLS256];
-    for (int a = 0; a < rm; a++)
-        for (int b = 0; b < rn; b++) acc[a][b] = _mm256_setzero_ps();
-    const float *w = o->w + i0 * o->w_row, *x = o->x + j0 * o->x_row;
-    int64_t l = 0;
-    for (; l + 8 <= o->k; l += 8) {
-        __m256 wv[ROWS];
-        for (int a = 0; a < rm; a++) wv[a] = _mm256_loadu_ps(w + a * o->w_row + l);
-        for (int b = 0; b < rn; b++) {
-            __m256 xv = _mm256_loadu_ps(x + b * o->x_row + l);
-            for (int a = 0; a < rm; a++) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);
-        }
-    }
-    if (l < o->k) { /* the last lanes: zeros beyond k */
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(o->k - l)),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 wv[ROWS];
-        for (int a = 0; a < rm; a++) wv[a] = _mm256_maskload_ps(w + a * o->w_row + l, mask);
-        for (int b = 0; b < rn; b++) {
-            __m256 xv = _mm256_maskload_ps(x + b * o->x_row + l, mask);
-            for (int a = 0; a < rm; a++) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);
-        }
-    }
-    for (int a = 0; a < rm; a++)
-        for (int b = 0; b < rn; b++) o->dst[(j0 + b) * o->dst_row + i0 + a] = sum256(acc[a][b]);
-}
-
-/* tile(o, i, j, rm, rn) for rn of 1..COLS512 or 1..COLS256, each count's body inlined */
-#define COLUMNS512(tile, o, i, j, rm, rn)            \
-    switch (rn) {                                    \
-    case 1: tile(o, i, j, rm, 1); break;             \
-    case 2: tile(o, i, j, rm, 2); break;             \
-    case 3: tile(o, i, j, rm, 3); break;             \
-    default: tile(o, i, j, rm, COLS512); break;      \
-    }
-#define COLUMNS256(tile, o, i, j, rm, rn)            \
-    if (rn == 1) tile(o, i, j, rm, 1);               \
-    else if (rn == 2) tile(o, i, j, rm, 2);          \
-    else tile(o, i, j, rm, COLS256);
-
-/* Weight rows [r0, r1) by every column: tiles of ROWS rows (then the rows left one at a time)
-   by `cols` columns (then the columns left). A lone column takes the rows one at a time: the
-   weights then stream from memory in order (four rows at once read them at 12 GB/s on Zen 4,
-   ggml's row at a time at 21; the numbers are the same either way). */
-#define ROWS_BY(target, name, tile, cols, columns)                                          \
-    target static void name(const struct operands *o, int64_t r0, int64_t r1, int64_t n) { \
-        for (int64_t i = r0; i < r1;) {                                                     \
-            const int rm = n > 1 && r1 - i >= ROWS ? ROWS : 1;                              \
-            for (int64_t j = 0; j < n; j += cols) {                                         \
-                const int rn = n - j < cols ? (int)(n - j) : cols;                          \
-                if (rm == ROWS) {                                                           \
-                    columns(tile, o, i, j, ROWS, rn)                                        \
-                } else {                                                                    \
-                    columns(tile, o, i, j, 1, rn)                                           \
-                }                                                                           \
-            }                                                                               \
-            i += rm;                                                                        \
-        }                                                                                   \
-    }
-
-ROWS_BY(AVX512, rows512, tile512, COLS512, COLUMNS512)
-ROWS_BY(AVX2, rows256, tile256, COLS256, COLUMNS256)
-
 /* Panels: a weight packed 16 rows at a time, each panel [k][16] (the rows beyond the matrix's
-   zero), times columns of x: every element of dst is one chain of fmadds over k in order, from
-   zero, whatever the columns beside it, on either variant alike (the same numbers). Tiles of a
-   few panels by a few columns: each panel's 16 floats at l and each column's x[l] broadcast
-   give an outer product into the tile's accumulators, so no sums across lanes are left to do
-   at the end (on Zen 4, 55-58 G multiply-adds a second at the decoder's shapes from the
-   caches, against 30-39 G for the tiles above in the same throw-away loop). */
+   zero), times columns of x. Tiles of a few panels by a few columns: each panel's 16 floats at
+   l and each column's x[l] broadcast give an outer product into the tile's accumulators. */
 #define PANEL 16
 
 /* AVX-512: up to PANELS512 panels x COLP512 columns of accumulators (24 of the 32 registers). */
@@ -251,6 +118,29 @@ AVX2 INLINE void panel256(const float *w, int64_t k, const float *x, size_t x_ro
 PANELS_BY(AVX512, panels512, panel512, PANELS512)
 PANELS_BY(AVX2, panels256, panel256, PANELS256)
 
+/* W [m, k] (element (i, l) at src[i * row + l * col]) packed as `panels_at` takes it: panel p
+   [k][PANEL] holds rows 16 p .. 16 p + 15, the rows beyond m zero. One pass over W, each
+   panel written in order (a weight in the file's layout or a transposed view of it alike). */
+static void pack(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
+    for (int64_t p = 0; p < (m + PANEL - 1) / PANEL; p++) {
+        float *panel = dst + p * k * PANEL;
+        const int rows = m - p * PANEL < PANEL ? (int)(m - p * PANEL) : PANEL;
+        for (int64_t l = 0; l < k; l++) {
+            const float *s = src + p * PANEL * row + l * col;
+            for (int r = 0; r < rows; r++) panel[l * PANEL + r] = s[r * row];
+            for (int r = rows; r < PANEL; r++) panel[l * PANEL + r] = 0.0f;
+        }
+    }
+}
+
+void kz_f32_product_pack_avx512(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
+    pack(src, m, k, row, col, dst);
+}
+
+void kz_f32_product_pack_avx2(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
+    pack(src, m, k, row, col, dst);
+}
+
 /* dst = W x for a packed W of m rows, called directly (the codec decoder's own buffers, on
    its one thread): column j of x at x + j * x_col (k floats), of dst at dst + j * dst_col (m
    floats; the last panel's rows beyond m are computed aside and left out). */
@@ -258,12 +148,12 @@ static void panels_at(void (*panels)(const struct operands *, int64_t, int64_t, 
                       const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
                       int64_t n, float *dst, int64_t dst_col) {
     const int64_t full = m / PANEL, rest = m % PANEL;
-    const struct operands o = {.w = w, .x = x, .dst = dst, .x_row = x_col, .dst_row = dst_col, .k = k};
+    const struct operands o = {.w = w, .x = x, .dst = dst, .x_row = (size_t)x_col, .dst_row = (size_t)dst_col, .k = k};
     panels(&o, 0, full, n);
     if (!rest) return;
     float *aside = malloc((size_t)n * PANEL * sizeof(float));
     if (aside == NULL) abort(); /* as numpy would raise */
-    const struct operands last = {.w = w + full * k * PANEL, .x = x, .dst = aside, .x_row = x_col, .dst_row = PANEL, .k = k};
+    const struct operands last = {.w = w + full * k * PANEL, .x = x, .dst = aside, .x_row = (size_t)x_col, .dst_row = PANEL, .k = k};
     panels(&last, 0, 1, n);
     for (int64_t j = 0; j < n; j++) memcpy(dst + j * dst_col + full * PANEL, aside + j * PANEL, rest * sizeof(float));
     free(aside);
@@ -279,11 +169,10 @@ void kz_f32_product_panels_avx2(const float *w, int64_t m, int64_t k, const floa
     panels_at(panels256, w, m, k, x, x_col, n, dst, dst_col);
 }
 
-/* Rows: W in place [m, k] times x [k, n] whose rows are contiguous, into dst [m, n] likewise,
-   called directly (the decoder's context buffers and outputs, channel-major): lanes over the
-   columns, each W[i, l] broadcast, so that every element of dst is again one chain of fmadds
-   over k in order, from zero: the numbers of the panels above, on either variant. Tiles of a
-   few rows of W by a few vectors of columns, the last vector masked. */
+/* Rows: W in place [m, k] times x [k, n] whose rows are contiguous, into dst [m, n] likewise
+   (the decoder's context buffers and outputs, channel-major): lanes over the columns, each
+   W[i, l] broadcast: the numbers of the panels above. Tiles of a few rows of W by a few
+   vectors of columns, the last vector masked. */
 
 /* AVX-512: up to BROWS512 rows x BVECS512 vectors of 16 columns (24 of the 32 registers). */
 #define BROWS512 6
@@ -373,31 +262,3 @@ AVX2 INLINE void bcast256(const float *w, int64_t w_row, int64_t k, const float 
 
 BCAST_BY(AVX512, kz_f32_product_rows_avx512, bcast512, BROWS512, BVECS512, 16, MASK16)
 BCAST_BY(AVX2, kz_f32_product_rows_avx2, bcast256, BROWS256, BVECS256, 8, COUNT8)
-
-/* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
-   weights, src[1] x, on one variant's tiles. */
-static void product(struct tensor *dst, int nth, struct claims *claims,
-                    void (*rows)(const struct operands *, int64_t, int64_t, int64_t)) {
-    const struct tensor *w = dst->src[0], *x = dst->src[1];
-    const struct operands o = {
-        .w = w->data,
-        .x = x->data,
-        .dst = dst->data,
-        .w_row = w->nb[1] / sizeof(float),
-        .x_row = x->nb[1] / sizeof(float),
-        .dst_row = dst->nb[1] / sizeof(float),
-        .k = w->ne[0],
-    };
-    for (int64_t first, last; claim(claims, w->ne[1], &first, &last);) rows(&o, first, last, x->ne[1]);
-    claimed(claims, nth);
-}
-
-void kz_f32_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    (void)ith;
-    product(dst, nth, claims, rows512);
-}
-
-void kz_f32_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    (void)ith;
-    product(dst, nth, claims, rows256);
-}

@@ -1,27 +1,25 @@
-"""Float32 weights times float32 columns on a kernel of our own (`f32_product.c`): the codec
-decoder's products (`codec.Matrix`), as a ggml custom operation for those of few columns a
-frame (the weights in place, read from memory), called directly for the others (`multiply`).
+"""Float32 weights times float32 columns on a kernel of our own (`f32_product.c`), called
+directly on the codec decoder's own buffers (`codec.Matrix`), on one thread.
 
 Two reasons. ggml's float32 kernels give a column other numbers alone (its one-column kernel)
-than beside others (llamafile's tiles), and OpenBLAS' depend on the column count, so the
-decoder took a layer of one column a frame through the one-column kernel column by column,
-and the later layers one frame's columns at a time; this kernel sums every element of the
-product in one order whatever the columns beside it, so several streams, and several frames,
-share one product bit for bit. And it is faster on the decoder's shapes. The operation's
-tiles give each element a vector of lanes over the inner index, summed across at the end: on
-Zen 4, each timed alone through a graph (768x768 by 9 and 36 columns, 384x384 by 40 and 160,
-3840x768 by 32, 192x192 by 160), 31-37 G multiply-adds a second on llamafile's tiles, 38-52 G
-on these (README, "Measured", 2026-12-04 evening and night). The direct calls' tiles are outer
-products, one chain of fmadds an element, no sums across lanes: 55-58 G in a throw-away loop
-of the same shapes (a core's FMAs do 58 G), on W packed in panels for columns of contiguous
-numbers (Winograd's planes) or on W in place for rows of them (the decoder's buffers); with
-no copies of the columns in and out, which a graph takes, or of W, which OpenBLAS packs.
+than beside others (llamafile's tiles), and OpenBLAS's depend on the column count, so the
+decoder took a layer of one column a frame through the one-column kernel column by column, and
+the later layers one frame's columns at a time; this kernel sums every element of a product in
+one order whatever the columns beside it (one chain of fmadds over the inner index), so
+several streams, and several frames, share one product bit for bit. And it is faster: its
+tiles are outer products, with no sums across lanes at the end, 55-58 G multiply-adds a second
+on the decoder's shapes in a throw-away loop on Zen 4 (a core's FMAs do 58 G; OpenBLAS 47-53 G,
+our earlier tiles of lanes over the inner index 38-50 G); on the weight packed in panels (for
+columns of contiguous numbers, Winograd's planes, and for few columns, where the panels stream
+from memory at 32-43 GB/s against 17-35 for four rows at a time in place) or in place (rows of
+contiguous numbers: the decoder's channel-major buffers, many columns); with no copies of the
+columns in and out, which a ggml graph takes, or of the weights, which OpenBLAS packs at every
+call (README, "Measured", 2026-12-04, late night).
 
 A plain shared library that setuptools builds at install with the package (optional: without a
 C compiler, or on a CPU without AVX2, or with `KAZEIA_F32_KERNEL=0`, the products run on
 ggml's kernels and numpy's BLAS; `KAZEIA_F32_KERNEL=avx2` holds a CPU with AVX-512 to the AVX2
-variant). The operation's variants sum in lanes of 16 and 8, each its own numbers within float
-rounding; the direct calls give the same numbers on both.
+variant, which gives the same numbers).
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ from functools import cache
 import numpy as np
 
 from . import native
-from .ggml_graph import Graph, Tensor
 
-ENV = "KAZEIA_F32_KERNEL"  # "0": ggml's kernels; "avx2": our AVX2 variant
+ENV = "KAZEIA_F32_KERNEL"  # "0": ggml's kernels and numpy's BLAS; "avx2": our AVX2 variant
 PANEL = 16  # rows of a packed weight's panel (`multiply`, f32_product.c)
 
 
@@ -51,25 +48,22 @@ def chosen() -> str | None:
     return native.chosen("f32_product", ENV)
 
 
-def product(g: Graph, w: Tensor, x: Tensor, variant: str | None = None) -> Tensor:
-    """w @ x for a float32 matrix w [in, out] with its rows in place and the float32 columns of
-    x [in, n]: [out, n], on `variant` (default: the chosen one)."""
-    variant = variant or chosen()
-    assert variant is not None, "the kernel does not run here"
-    return g.product(native.address("f32_product", variant), w, x)
-
-
-def pack(w: np.ndarray) -> np.ndarray:
-    """A float32 matrix [out, in] as `multiply`'s panels take it: PANEL rows at a time, each
-    panel [in, PANEL], the rows beyond `out` zero: [ceil(out / PANEL), in, PANEL]."""
+def pack(w: np.ndarray, variant: str) -> np.ndarray:
+    """A float32 matrix [out, in] (any strides: a transposed view will do) as `multiply`'s
+    panels take it: PANEL rows at a time, each panel [in, PANEL], the rows beyond `out` zero:
+    [ceil(out / PANEL), in, PANEL], in one pass of our kernel's (numpy's transposes took 3x as
+    long to load the decoder)."""
     out, k = w.shape
-    padded = np.zeros((-(-out // PANEL) * PANEL, k), np.float32)
-    padded[:out] = w
-    return np.ascontiguousarray(padded.reshape(-1, PANEL, k).transpose(0, 2, 1))
+    assert w.dtype == np.float32
+    packed = np.empty((-(-out // PANEL), k, PANEL), np.float32)
+    row, col = (s // 4 for s in w.strides)
+    _function(variant, "pack")(_at(w), out, k, row, col, _at(packed))
+    return packed
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = {  # f32_product.c's direct calls
+    "pack": [_P, _I, _I, _I, _I, _P],
     "panels": [_P, _I, _I, _P, _I, _I, _P, _I],
     "rows": [_P, _I, _I, _I, _P, _I, _I, _P, _I],
 }

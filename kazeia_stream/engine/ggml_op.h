@@ -1,4 +1,4 @@
-/* What our ggml custom operations (q8_product.c, f32_product.c) share: the leading fields of
+/* What our ggml custom operations (q8_product.c) need: the leading fields of
    ggml's tensor, the claims by which ggml's threads take an operation's weight rows, and the
    sum of a float32 vector's lanes on AVX2. */
 

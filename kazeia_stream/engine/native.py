@@ -48,7 +48,6 @@ def chosen(name: str, env: str) -> str | None:
     return wanted if wanted in runs else runs[0]
 
 
-def address(name: str, variant: str, op: str = "") -> int:
-    """The address of library `name`'s kernel `kz_{name}_{variant}` (or its operation
-    `kz_{name}_{op}_{variant}`): a ggml custom operation."""
-    return ctypes.cast(function(name, variant, op), ctypes.c_void_p).value or 0
+def address(name: str, variant: str) -> int:
+    """The address of library `name`'s kernel `kz_{name}_{variant}` (a ggml custom operation)."""
+    return ctypes.cast(function(name, variant), ctypes.c_void_p).value or 0
