@@ -21,22 +21,21 @@ convolutions trim (k - s) samples on the right only, the sliding window lets a q
 keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
 Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
-a few products W @ X (`Matrix`): for the layers of few columns per frame (the early stages:
-reading the weights is their cost), in ggml graphs, on our float32 kernel (`f32_product`) or
-ggml's, which read the weights in place, where OpenBLAS first packs them; for the others, on
-our kernel called directly on the layers' own buffers, one frame's columns at a time, or on
-numpy's BLAS where it does not run (weights on the left is the fast orientation); a
-convolution tap is a shifted column view of the layer's context buffer, which the producer
-writes into directly. Several streams' activations are [channels, time * streams], stream
-index fastest, so that a tap stays one column view and each multiplication reads its weights
-once for all the streams: the layers whose weights are large and columns few (up to the second
-decoder block, `JOINT_BLOCKS`) run so, on the streams' states stacked for the call; the later
-blocks run per stream. Each push sets its own BLAS thread count (threadpoolctl; one by
-default, whatever numpy's setting): the GEMMs are many and small, and OpenBLAS' threads spin
-after each one, taking the core that ggml's threads need (a second BLAS thread made the
-talker's next step ~2x slower, and synthesis of the tiny test models 30-80x). The products in
-ggml graphs run on one thread (`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec
-MMPROJ` measures ms per frame.
+a few products W @ X (`Matrix`): on our float32 kernel (`f32_product`) called directly on the
+layers' own buffers where it runs; else, for the layers of few columns per frame (the early
+stages: reading the weights is their cost), in ggml graphs, which read the weights in place,
+where OpenBLAS first packs them, and for the others on numpy's BLAS, one frame's columns at a
+time (weights on the left is the fast orientation). A convolution tap is a shifted column view
+of the layer's context buffer, which the producer writes into directly. Several streams'
+activations are [channels, time * streams], stream index fastest, so that a tap stays one
+column view and each multiplication reads its weights once for all the streams: the layers
+whose weights are large and columns few (up to the second decoder block, `JOINT_BLOCKS`) run
+so, on the streams' states stacked for the call; the later blocks run per stream. Each push
+sets its own BLAS thread count (threadpoolctl; one by default, whatever numpy's setting): the
+GEMMs are many and small, and OpenBLAS' threads spin after each one, taking the core that
+ggml's threads need (a second BLAS thread made the talker's next step ~2x slower, and
+synthesis of the tiny test models 30-80x). The products in ggml graphs run on one thread
+(`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -233,8 +232,10 @@ class Matrix:
         """On our kernel: x and `out` in the layout it takes are used in place, others copied."""
         assert self.variant is not None
         order: Literal["C", "F"] = "F" if self.panels else "C"
-        fits = out is not None and _in_order(out, order)
-        y = out if out is not None and fits else np.empty((self.shape[0], x.shape[1]), F32, order=order)
+        if out is not None and _in_order(out, order):
+            y = out
+        else:
+            y = np.empty((self.shape[0], x.shape[1]), F32, order=order)
         x = x if _in_order(x, order) else np.asarray(x, order=order)
         f32_product.multiply(self.array, self.shape, x, y, self.variant)
         if out is None:  # in C order: numpy's reductions sum a column otherwise in another order
