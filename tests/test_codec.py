@@ -273,9 +273,7 @@ def test_weights_are_copied_only_into_a_layout_of_their_own(decoder):
     products, and those of few columns a frame), tap by tap (the convs of many columns a
     frame), the transposed convs, and the residual units' dilated convs in Winograd's F(4, 7);
     else it is used in place, as the file holds it."""
-    most: dict[int, tuple] = {}
-    for m, columns in decoder.products():
-        most[id(m)] = m, max(columns, most.get(id(m), (m, 0))[1])
+    most = decoder.matrices()
     on_kernel = any(m.variant is not None for m, _ in most.values())
     for m, columns in most.values():
         assert m.panels == (on_kernel and (m.column_major or columns < PANEL_COLUMNS))

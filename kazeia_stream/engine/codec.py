@@ -226,7 +226,7 @@ class Matrix:
         copied into `panels` (the row-major copy let go)."""
         self.variant, self.panels = variant, panels
         if panels:
-            self.array = f32_product.pack(self.array, variant)
+            self.array = f32_product.pack(self.array)
 
     def _multiply(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """On our kernel: x and `out` in the layout it takes are used in place, others copied."""
@@ -881,7 +881,7 @@ class CodecDecoder:
         self.post_act = SnakeBeta(*_snake(f, L.WAV_DAC_POST_SNAKE))
         self.post_conv = CausalConv(*_conv(f, L.WAV_DAC_POST_CONV))
         self._allocator = Allocator()  # one compute buffer for the products on ggml's kernels
-        columns_of = self._columns()
+        columns_of = self.matrices()
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
             if conv in dilated:  # most of the multiply-adds: in Winograd's F(4, 7) where it runs
@@ -889,12 +889,13 @@ class CodecDecoder:
             if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
         kernel = f32_product.chosen()
-        for matrix, columns in self._columns().values():
+        for matrix, columns in self.matrices().values():
             if kernel is not None:
                 matrix.multiply_directly(kernel, panels=matrix.column_major or columns < PANEL_COLUMNS)
             elif columns <= GGML_COLUMNS:
                 matrix.allocator, matrix.by_column = self._allocator, columns == 1
-            prefault(matrix.array)  # the weights used in place: the first frame is heard first
+            if not matrix.panels:  # the weights used in place: the first frame is heard first
+                prefault(matrix.array)
         for _ in range(2):  # a frame's graphs too; again where the buffer's growth left one stale
             for matrix, columns in self.products():
                 matrix.prepare(columns)
@@ -1043,8 +1044,9 @@ class CodecDecoder:
                 yield from conv.calls(rate)
         yield from self.post_conv.calls(rate)
 
-    def _columns(self) -> dict[int, tuple[Matrix, int]]:
-        """Each matrix of `products` by its id, with the most columns a call of it multiplies."""
+    def matrices(self) -> dict[int, tuple[Matrix, int]]:
+        """Each matrix of `products` by its id, with the most columns a call of it multiplies
+        per frame (a tiled conv's weights come once per chunk of tiles)."""
         most: dict[int, tuple[Matrix, int]] = {}
         for matrix, columns in self.products():
             most[id(matrix)] = matrix, max(columns, most.get(id(matrix), (matrix, 0))[1])

@@ -8,12 +8,11 @@
    place, times rows of contiguous numbers (lanes over the columns). Tiles are outer products:
    no sums across lanes are left to do at the end. */
 
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
+#include "ggml_op.h" /* INLINE */
+
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -118,10 +117,10 @@ AVX2 INLINE void panel256(const float *w, int64_t k, const float *x, size_t x_ro
 PANELS_BY(AVX512, panels512, panel512, PANELS512)
 PANELS_BY(AVX2, panels256, panel256, PANELS256)
 
-/* W [m, k] (element (i, l) at src[i * row + l * col]) packed as `panels_at` takes it: panel p
-   [k][PANEL] holds rows 16 p .. 16 p + 15, the rows beyond m zero. One pass over W, each
+/* W [m, k] (element (i, l) at src[i * row + l * col]) packed as `panels_at` takes it, on any
+   CPU (plain C: the copy is bound by memory): panel p [k][PANEL] holds rows 16 p .. 16 p + 15, the rows beyond m zero. One pass over W, each
    panel written in order (a weight in the file's layout or a transposed view of it alike). */
-static void pack(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
+void kz_f32_product_pack(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
     for (int64_t p = 0; p < (m + PANEL - 1) / PANEL; p++) {
         float *panel = dst + p * k * PANEL;
         const int rows = m - p * PANEL < PANEL ? (int)(m - p * PANEL) : PANEL;
@@ -133,13 +132,6 @@ static void pack(const float *src, int64_t m, int64_t k, int64_t row, int64_t co
     }
 }
 
-void kz_f32_product_pack_avx512(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
-    pack(src, m, k, row, col, dst);
-}
-
-void kz_f32_product_pack_avx2(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
-    pack(src, m, k, row, col, dst);
-}
 
 /* dst = W x for a packed W of m rows, called directly (the codec decoder's own buffers, on
    its one thread): column j of x at x + j * x_col (k floats), of dst at dst + j * dst_col (m

@@ -48,7 +48,7 @@ def chosen() -> str | None:
     return native.chosen("f32_product", ENV)
 
 
-def pack(w: np.ndarray, variant: str) -> np.ndarray:
+def pack(w: np.ndarray) -> np.ndarray:
     """A float32 matrix [out, in] (any strides: a transposed view will do) as `multiply`'s
     panels take it: PANEL rows at a time, each panel [in, PANEL], the rows beyond `out` zero:
     [ceil(out / PANEL), in, PANEL], in one pass of our kernel's (numpy's transposes took 3x as
@@ -57,7 +57,7 @@ def pack(w: np.ndarray, variant: str) -> np.ndarray:
     assert w.dtype == np.float32
     packed = np.empty((-(-out // PANEL), k, PANEL), np.float32)
     row, col = (s // 4 for s in w.strides)
-    _function(variant, "pack")(_at(w), out, k, row, col, _at(packed))
+    _function("pack")(_at(w), out, k, row, col, _at(packed))
     return packed
 
 
@@ -70,8 +70,14 @@ _ARGS = {  # f32_product.c's direct calls
 
 
 @cache
-def _function(variant: str, op: str) -> Callable[..., None]:
-    fn = native.function("f32_product", variant, op)
+def _function(op: str, variant: str | None = None) -> Callable[..., None]:
+    """f32_product.c's `op` on `variant`, or, without one, the op all variants share (`pack`)."""
+    if variant is None:
+        lib = native.library("f32_product")
+        assert lib is not None, "the kernel is not built here"
+        fn = getattr(lib, f"kz_f32_product_{op}")
+    else:
+        fn = native.function("f32_product", variant, op)
     fn.argtypes, fn.restype = _ARGS[op], None
     return fn
 
@@ -91,8 +97,8 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
     if w.ndim == 3:
         assert x.strides[0] == out.strides[0] == 4, "panels take columns of contiguous numbers"
         x_col, out_col = x.strides[1] // 4, out.strides[1] // 4
-        _function(variant, "panels")(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
+        _function("panels", variant)(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
     else:
         assert x.strides[1] == out.strides[1] == w.strides[1] == 4, "rows of contiguous numbers"
         w_row, x_row, out_row = w.strides[0] // 4, x.strides[0] // 4, out.strides[0] // 4
-        _function(variant, "rows")(_at(w), m, k, w_row, _at(x), x_row, n, _at(out), out_row)
+        _function("rows", variant)(_at(w), m, k, w_row, _at(x), x_row, n, _at(out), out_row)

@@ -1,6 +1,6 @@
-/* What our ggml custom operations (q8_product.c) need: the leading fields of
-   ggml's tensor, the claims by which ggml's threads take an operation's weight rows, and the
-   sum of a float32 vector's lanes on AVX2. */
+/* What our C kernels share: the INLINE macro; for our ggml custom operation (q8_product.c),
+   the leading fields of ggml's tensor, the claims by which ggml's threads take an operation's
+   weight rows, and the sum of a float32 vector's lanes on AVX2. */
 
 #ifndef KZ_GGML_OP_H
 #define KZ_GGML_OP_H
