@@ -193,17 +193,23 @@ class GGUFFile:
         return np.memmap(self.path, dtype=dtype, mode="r", offset=self.span(name)[0], shape=shape)
 
     def load(self, name: str) -> np.ndarray:
-        """The stored data (as `raw`) read into memory the process owns: one read, no page
-        faults, nothing left mapped, and huge pages for large arrays (faster to stream through
-        than a mapping's 4 KiB pages, which the kernel may drop)."""
+        """The stored data (as `raw`) read into memory the process owns (`read_into`), on huge
+        pages for large arrays (numpy's)."""
         dtype, shape = self._layout(name)
-        offset, size = self.span(name)
         data = np.empty(shape, dtype)
+        self.read_into(name, data.view(np.uint8).reshape(-1))
+        return data
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """The stored bytes of tensor `name` into `out` (bytes, as many): one read, no page
+        faults, nothing left mapped (a mapping's pages would count as the process's memory
+        too), and memory of the caller's choosing (huge pages stream faster than a mapping's
+        4 KiB ones, which the kernel may drop)."""
+        offset, size = self.span(name)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(offset)
-            if f.readinto(data.view(np.uint8).reshape(-1).data) != size:
+            if len(out) != size or f.readinto(out.data) != size:
                 raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
-        return data
 
     def rows(self, name: str, ids: np.ndarray | list[int], table: int | None = None) -> np.ndarray:
         """Rows of a 2-D tensor (or of table `table` of a 3-D one) as float32, dequantized if
