@@ -342,14 +342,14 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
 
 
 class _Decode:
-    """One stream's request: its decoder state and next frame's codes [1, groups]."""
+    """One stream's request: its decoder state and next frames' codes [n, groups]."""
 
     def __init__(self, state: DecoderState, codes: np.ndarray, first: bool) -> None:
         self.state, self.codes, self.first = state, codes, first
 
 
 class Decoder(_Passes[_Decode, np.ndarray]):
-    """PCM of every stream's next frame, in shared passes of the codec decoder (`codec()`,
+    """PCM of every stream's next frames, in shared passes of the codec decoder (`codec()`,
     which a pass waits for while it loads). While a pass runs, it holds `threads` of the cores
     that the graphs' calls share (`SharedCores`)."""
 
@@ -360,7 +360,8 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         self.codec, self.threads, self.cores, self.streams = codec, threads, cores, streams
 
     async def decode(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
-        """The audio of the stream's next frame; `first`: its first, decoded ahead of others."""
+        """The audio of the stream's next frames (codes [n, groups]); `first`: its first,
+        decoded ahead of others."""
         return await self._ask(_Decode(state, codes, first))
 
     def decode_sync(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
@@ -438,8 +439,17 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         threads: int,
         between: Callable[[], None] | None = None,
     ) -> list[np.ndarray]:
-        """The batch's audio."""
-        return codec.push_many([d.state for d, _ in batch], [d.codes for d, _ in batch], threads, between)
+        """The batch's audio: its streams that push as many frames together (`push_many`'s
+        rule), each such group after the other."""
+        groups: dict[int, list[int]] = {}
+        for i, (d, _) in enumerate(batch):
+            groups.setdefault(len(d.codes), []).append(i)
+        pcm: list[np.ndarray] = [np.empty(0, np.float32)] * len(batch)
+        for group in groups.values():
+            states, codes = [batch[i][0].state for i in group], [batch[i][0].codes for i in group]
+            for i, audio in zip(group, codec.push_many(states, codes, threads, between)):
+                pcm[i] = audio
+        return pcm
 
     def _hand(self, batch: list[tuple[_Decode, _Result[np.ndarray]]], pcm: list[np.ndarray]) -> None:
         """Each frame of the batch its audio."""

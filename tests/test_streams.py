@@ -259,6 +259,22 @@ def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_st
     assert decoder._queue == firsts[1:]
 
 
+def test_a_pass_over_streams_that_push_different_frame_counts_gives_each_its_own_audio(shared):
+    """A stream's frames that queued up go in one push (`decode_frames`); the streams of a pass
+    then push 1, 2 or 3 frames, which `push_many` takes only alike: each count is pushed in
+    turn, and every stream gets the samples it gets alone."""
+    codec = shared.codec
+    rng = np.random.default_rng(1)
+    codes = [rng.integers(0, codec.quantizer.codebook_size, (n, codec.num_groups)) for n in (2, 1, 3, 2)]
+    expected = [codec.push(codec.new_state(), c) for c in codes]
+    decoder = Decoder(lambda: codec, 1, SharedCores(2), lambda: len(codes))  # driven here
+    results = [_Result[np.ndarray](in_trio=False) for _ in codes]
+    decoder._queue = [(_Decode(codec.new_state(), c, first=False), r) for c, r in zip(codes, results)]
+    decoder._pass(decoder._take())
+    for r, audio in zip(results, expected):
+        np.testing.assert_array_equal(r.wait(), audio)
+
+
 def test_a_session_whose_rows_a_free_slot_keeps_opens_without_waiting_for_the_engines(shared, monkeypatch):
     """Opening a session computes its fixed rows between passes, which waits for the pass in
     flight; when a free slot keeps them already there is nothing to compute or wait for."""
