@@ -158,6 +158,28 @@ def q8_kernel(monkeypatch: pytest.MonkeyPatch):
     q8_product.chosen.cache_clear()
 
 
+@pytest.fixture
+def slow_decoder(monkeypatch: pytest.MonkeyPatch):
+    """`slow_decoder(runtime, delay)`: the runtime's decoder waits `delay` s before each push it
+    is asked for, so that the generator runs ahead and frames queue up; returns the list of
+    each push's frame count, filled as they come."""
+    import trio
+
+    def slow(runtime, delay: float) -> list[int]:
+        pushes: list[int] = []
+        decode = runtime.decoder.decode
+
+        async def slowed(state, codes, first=False):
+            pushes.append(len(codes))
+            await trio.sleep(delay)
+            return await decode(state, codes, first)
+
+        monkeypatch.setattr(runtime.decoder, "decode", slowed)
+        return pushes
+
+    return slow
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests on the real-time sound device are marked `realtime` (deselect with -m)."""
     for item in items:

@@ -77,20 +77,12 @@ async def test_a_session_speaks_every_segment_back_to_back(runtime, segments):
             assert indices == sorted(indices) and utterance.metrics.frames == len(pcm) // FRAME
 
 
-async def test_frames_queued_behind_a_slow_decoder_never_join_the_next_segment_s(runtime, monkeypatch):
+async def test_frames_queued_behind_a_slow_decoder_never_join_the_next_segment_s(runtime, slow_decoder):
     """Each segment starts the decoder from a new state: a push of queued frames stops before
     the next segment's first (2-3 frames a segment here, up to 3 queued)."""
     text = PAGE[:1000]
     offline, _ = runtime.synthesize(text, voice="ryan", seed=2, text_streaming=True)
-    pushes = []
-    decode = runtime.decoder.decode
-
-    async def slow(state, codes, first=False):
-        pushes.append(len(codes))
-        await trio.sleep(0.03)  # the generator runs ahead meanwhile
-        return await decode(state, codes, first)
-
-    monkeypatch.setattr(runtime.decoder, "decode", slow)
+    pushes = slow_decoder(runtime, 0.03)
     async with runtime.open(voice="ryan", seed=2) as tts:
         pcm = np.concatenate([c.pcm async for c in tts.speak(text)])
     assert max(pushes) > 1 and np.array_equal(pcm, offline)

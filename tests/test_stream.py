@@ -91,16 +91,8 @@ async def test_text_pieces_from_an_llm_give_the_same_speech(runtime, offline, de
             assert first < text_done - 0.5
 
 
-async def test_frames_queued_behind_a_slow_decoder_go_in_one_push_same_audio(runtime, offline, monkeypatch):
-    pushes = []
-    decode = runtime.decoder.decode
-
-    async def slow(state, codes, first=False):
-        pushes.append(len(codes))
-        await trio.sleep(0.05)  # the generator runs ahead meanwhile
-        return await decode(state, codes, first)
-
-    monkeypatch.setattr(runtime.decoder, "decode", slow)
+async def test_frames_queued_behind_a_slow_decoder_go_in_one_push_same_audio(runtime, offline, slow_decoder):
+    pushes = slow_decoder(runtime, 0.05)
     async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
         chunks = [c async for c in utterance]
