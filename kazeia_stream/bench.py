@@ -166,13 +166,18 @@ def _digits(value: float) -> float:
 def median(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over repeated runs (peak memory: the largest), the ratios to the
     floors included (the median of the runs' ratios, not a ratio of medians); shared machines
-    move single runs by tens of percent. Of an even count, the lower middle one: a figure a
-    run measured, with its rounding (a mean of two printed 50.150000000000006 ms)."""
+    move single runs by tens of percent. Of an even count, the mean of the middle two, to six
+    significant digits (it printed 50.150000000000006 ms), a whole one as an integer (40 frames,
+    not 40.0)."""
 
     def combine(key: str, values: list[Any]) -> Any:
         if isinstance(values[0], dict):
             return {k: combine(k, [v[k] for v in values]) for k in values[0]}
-        return max(values) if key == "peak_rss_mb" else statistics.median_low(values)
+        if key == "peak_rss_mb":
+            return max(values)
+        middle = statistics.median(values)
+        whole = all(isinstance(v, int) for v in values) and middle == int(middle)
+        return int(middle) if whole else float(f"{middle:.6g}")
 
     return {k: combine(k, [r[k] for r in results]) for k in results[0]}
 
