@@ -12,7 +12,7 @@ from ..channels import AudioChunk, Frame, UtteranceMetrics
 from ..engine.codec import DecoderState
 from ..scheduler import Decoder
 
-MAX_PUSH = 4  # frames a push takes at most (two to four measured alike a frame)
+MAX_PUSH = 4  # frames a push takes at most (2, 3 and 4 cost about alike a frame)
 
 
 async def decode_frames(
@@ -32,9 +32,10 @@ async def decode_frames(
     an utterance's first: its audio comes alone, as soon as it can. A push of several frames
     gives the same samples (the decoder's numbers do not depend on the push) and costs less a
     frame (Zen 4, one stream: 45 ms a frame alone, 40 two at a time; `python -m
-    kazeia_stream.engine.codec MMPROJ 1 2`), which a decoder that falls behind, or one shared
-    by several streams, gains. An utterance's first frame is decoded ahead of other streams'
-    frames (alone, on every core, the generator waiting, when no other stream runs). Sets
+    kazeia_stream.engine.codec MMPROJ 1 2`), which a decoder that falls behind the generator
+    gains (where it keeps up, every push takes one frame). An utterance's first frame is
+    decoded ahead of other streams' frames (alone, on every core, the generator waiting, when
+    no other stream runs). Sets
     `first_audio` once the first chunk exists, records the decoder's trace (each frame its
     share of its push), the time of the first audio and the samples produced."""
     state: DecoderState | None = None
