@@ -203,7 +203,6 @@ class Matrix:
         self.allocator: Allocator | None = None
         self.by_column = False
         self.variant: str | None = None  # our kernel's, once `multiply_directly`
-        self.panels = False
         self._tensor: ArrayTensor | None = None
         self._graphs: dict[int, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
@@ -224,9 +223,14 @@ class Matrix:
     def multiply_directly(self, variant: str, panels: bool) -> None:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
         copied into `panels` (the row-major copy let go)."""
-        self.variant, self.panels = variant, panels
+        self.variant = variant
         if panels:
             self.array = f32_product.pack(self.array)
+
+    @property
+    def panels(self) -> bool:
+        """Whether W is held packed in panels (`f32_product.pack`: 3-D)."""
+        return self.array.ndim == 3
 
     def _multiply(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """On our kernel: x and `out` in the layout it takes are used in place, others copied."""

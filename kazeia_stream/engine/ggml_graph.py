@@ -182,8 +182,7 @@ class Weights(_Tensors):
         that type stores it, shaped as the tensor in numpy order, quantized rows as bytes)."""
         self._file = f.mapping
         self.spans = [f.span(src) for src in mapped.values()]  # (offset, size) in the file
-        self.copied = huge_pages()
-        if self.copied:
+        if huge_pages():
             starts = list(accumulate((-(-size // _ALIGN) * _ALIGN for _, size in self.spans), initial=0))
             self._bytes = _on_huge_pages(max(1, starts.pop()))
             for src, (_, size), at in zip(mapped.values(), self.spans, starts):
@@ -202,6 +201,11 @@ class Weights(_Tensors):
             ctypes.memmove(ggml.ggml_get_data(t), np.ascontiguousarray(data).ctypes.data, data.nbytes)
             self.tensors[name] = t
         self.nbytes = sum(size for _, size in self.spans) + sum(d.nbytes for _, d in converted.values())
+
+    @property
+    def copied(self) -> bool:
+        """Whether the weights were read into memory of our own (else: in the file's mapping)."""
+        return self._bytes is not self._file
 
     def prefault(self) -> None:
         """`prefault` the weights left in the file's mapping (those read into memory of our own
