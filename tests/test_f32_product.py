@@ -61,11 +61,27 @@ def test_it_gives_the_product_to_float_rounding_and_a_column_its_numbers_alone(w
     assert np.array_equal(*results)
 
 
-def test_a_transposed_view_packs_as_its_copy(weight):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_transposed_view_packs_as_its_copy(weight, dtype):
     """The transposed convs' weights are packed from the file's layout seen transposed."""
+    weight = weight.astype(dtype)
     view = np.ascontiguousarray(weight.T).T
     assert not view.flags.c_contiguous
     assert np.array_equal(f32_product.pack(view), f32_product.pack(weight))
+    assert np.array_equal(Matrix(view).array, weight)  # widened, C-ordered
+
+
+def test_float16_weights_give_their_float32_s_numbers_from_half_the_bytes(weight, variant):
+    """A weight stored in float16 (as a file may hold the decoder's) is packed in float16
+    panels, widened in the registers: the numbers of the same weight widened to float32, from
+    half the bytes. In place (rows of contiguous numbers) it is widened once, at the load."""
+    half = weight.astype(np.float16)
+    x = np.random.default_rng(6).standard_normal((weight.shape[1], 13), dtype=np.float32)
+    wide, narrow = _direct(half.astype(np.float32), variant, True), _direct(half, variant, True)
+    assert narrow.array.dtype == np.float16 and 2 * narrow.array.nbytes == wide.array.nbytes
+    assert np.array_equal(narrow(np.asarray(x, order="F")), wide(np.asarray(x, order="F")))
+    in_place = _direct(half, variant, False)
+    assert in_place.array.dtype == np.float32 and np.array_equal(in_place(x), wide(x))
 
 
 def test_both_variants_give_the_same_numbers(weight):

@@ -197,7 +197,10 @@ class Matrix:
     time."""
 
     def __init__(self, w: np.ndarray, column_major: bool = False) -> None:
-        self.array = np.ascontiguousarray(w, dtype=F32)  # W, or its panels
+        self.array = _float32(w)  # W, or its panels
+        # W as the file stores it, where that is float16: its panels hold the same numbers in
+        # half the bytes (the products of few columns are bound by reading them)
+        self._float16 = w if w.dtype == np.float16 else None
         self.shape: tuple[int, int] = self.array.shape  # W's
         self.column_major = column_major
         self.allocator: Allocator | None = None
@@ -222,10 +225,11 @@ class Matrix:
 
     def multiply_directly(self, variant: str, panels: bool) -> None:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
-        copied into `panels` (the row-major copy let go)."""
+        copied into `panels` (the row-major copy let go), of float16 where the file stores W so."""
         self.variant = variant
         if panels:
-            self.array = f32_product.pack(self.array)
+            self.array = f32_product.pack(self.array if self._float16 is None else self._float16)
+        self._float16 = None
 
     @property
     def panels(self) -> bool:
@@ -495,7 +499,7 @@ class CausalTransConv:
             raise ValueError(f"transposed conv kernel {k} with stride {stride} is not supported")
         self.k, self.s, self.c_out = k, stride, c_out
         # a copy: the transposed view as the left operand measured ~15% slower per frame
-        self.w = Matrix(_transposed(weight.reshape(c_in, c_out * k)))
+        self.w = Matrix(weight.reshape(c_in, c_out * k).T)
         self.bias = bias.astype(F32)[:, None, None]
 
     def new_state(self) -> np.ndarray:
@@ -607,7 +611,7 @@ class TransformerLayer:
 
     def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
         t = lambda name: f.read(name.format(bid=bid))
-        m = lambda name: f.tensor(name.format(bid=bid))  # weights in place: see `_kernel`
+        m = lambda name: f.weight(name.format(bid=bid))  # weights in place: see `_kernel`
         joined = lambda *names: f.joined([name.format(bid=bid) for name in names])
         self.head_dim, self.eps = head_dim, eps
         self.n_heads = f.tensor_shape(L.WAV_TFM_ATTN_Q.format(bid=bid))[0] // head_dim
@@ -1133,13 +1137,17 @@ def _blocks(
 # ---------------------------------------------------------------------------------------------
 
 
-def _transposed(w: np.ndarray, columns: int = 16) -> np.ndarray:
-    """w.T, C-contiguous. numpy copies a transposed view in the output's order, reading one
-    float per source cache line; a few columns at a time keep those lines in cache (2.5x
-    faster for the 75 MB of the first decoder block's transposed conv)."""
-    out = np.empty(w.shape[::-1], F32)
-    for i in range(0, w.shape[0], columns):
-        out[:, i : i + columns] = w[i : i + columns].T
+def _float32(w: np.ndarray, columns: int = 16) -> np.ndarray:
+    """A matrix as C-ordered float32: w itself where it is one (a weight used in place in the
+    file's mapping), else a copy; a transposed view's a few columns at a time. numpy copies a
+    transposed view in the output's order, reading one float per source cache line; a few of
+    the source's rows at a time keep those lines in cache (2.5x faster for the 75 MB of the
+    first decoder block's transposed conv)."""
+    if not w.flags.f_contiguous or w.flags.c_contiguous:
+        return np.ascontiguousarray(w, dtype=F32)
+    out = np.empty(w.shape, F32)
+    for i in range(0, w.shape[1], columns):
+        out[:, i : i + columns] = w[:, i : i + columns]
     return out
 
 
@@ -1148,10 +1156,11 @@ def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _kernel(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    """A weight, mapped, and its bias. The layer uses the weight in place where its layout is
-    the file's; else it copies it into its own, reading the mapping once (fresh memory is slow
-    to fault in, 0.3-2 GB/s on the hosts measured, so every copy costs startup)."""
-    return f.tensor(prefix + ".weight"), f.read(prefix + ".bias")
+    """A weight, mapped (float16 where the file stores it so: see `Matrix`), and its bias. The
+    layer uses the weight in place where its layout is the file's; else it copies it into its
+    own, reading the mapping once (fresh memory is slow to fault in, 0.3-2 GB/s on the hosts
+    measured, so every copy costs startup)."""
+    return f.weight(prefix + ".weight"), f.read(prefix + ".bias")
 
 
 def _conv(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:

@@ -14,73 +14,91 @@
 #include "ggml_op.h" /* INLINE */
 
 #define AVX512 __attribute__((target("avx512f")))
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* The variant this CPU runs: 2 AVX-512, 1 AVX2, 0 neither. */
 int kz_f32_product_level(void) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        return 0;
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 
 /* Where the panels' tiles read and write: column j of x at x + j * x_row (k floats), of dst at
-   dst + j * dst_row. */
+   dst + j * dst_row. The weights are float32 or float16 (`kz_f32_product_pack16`): a float16
+   weight is widened exactly in the registers, so its products are those of the float32 it
+   widens to, from half the bytes (the decoder's few-column products are bound by reading them). */
 struct operands {
-    const float *w, *x;
+    const void *w;
+    const float *x;
     float *dst;
     size_t x_row, dst_row; /* in floats */
     int64_t k;
 };
 
 /* Panels: a weight packed 16 rows at a time, each panel [k][16] (the rows beyond the matrix's
-   zero), times columns of x. Tiles of a few panels by a few columns: each panel's 16 floats at
+   zero), times columns of x. Tiles of a few panels by a few columns: each panel's 16 weights at
    l and each column's x[l] broadcast give an outer product into the tile's accumulators. */
 #define PANEL 16
+
+/* 16 (AVX-512) or 8 (AVX2) weights of a panel, as float32. */
+#define F32_512(p) _mm512_loadu_ps(p)
+#define F16_512(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define F32_256(p) _mm256_loadu_ps(p)
+#define F16_256(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
 /* AVX-512: up to PANELS512 panels x COLP512 columns of accumulators (24 of the 32 registers). */
 #define PANELS512 4
 #define COLP512 6
 
-AVX512 INLINE void panel512(const float *w, int64_t k, const float *x, size_t x_row, float *dst,
-                            size_t dst_row, const int rp, const int rn) {
-    __m512 acc[PANELS512][COLP512];
-    for (int a = 0; a < rp; a++)
-        for (int b = 0; b < rn; b++) acc[a][b] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < k; l++) {
-        __m512 wv[PANELS512];
-        for (int a = 0; a < rp; a++) wv[a] = _mm512_loadu_ps(w + (a * k + l) * PANEL);
-        for (int b = 0; b < rn; b++) {
-            __m512 xb = _mm512_set1_ps(x[b * x_row + l]);
-            for (int a = 0; a < rp; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
-        }
+#define PANEL512(name, wtype, load)                                                              \
+    AVX512 INLINE void name(const wtype *w, int64_t k, const float *x, size_t x_row, float *dst, \
+                            size_t dst_row, const int rp, const int rn) {                        \
+        __m512 acc[PANELS512][COLP512];                                                          \
+        for (int a = 0; a < rp; a++)                                                             \
+            for (int b = 0; b < rn; b++) acc[a][b] = _mm512_setzero_ps();                        \
+        for (int64_t l = 0; l < k; l++) {                                                        \
+            __m512 wv[PANELS512];                                                                \
+            for (int a = 0; a < rp; a++) wv[a] = load(w + (a * k + l) * PANEL);                  \
+            for (int b = 0; b < rn; b++) {                                                       \
+                __m512 xb = _mm512_set1_ps(x[b * x_row + l]);                                    \
+                for (int a = 0; a < rp; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);  \
+            }                                                                                    \
+        }                                                                                        \
+        for (int a = 0; a < rp; a++)                                                             \
+            for (int b = 0; b < rn; b++) _mm512_storeu_ps(dst + b * dst_row + a * PANEL, acc[a][b]); \
     }
-    for (int a = 0; a < rp; a++)
-        for (int b = 0; b < rn; b++) _mm512_storeu_ps(dst + b * dst_row + a * PANEL, acc[a][b]);
-}
+
+PANEL512(panel512, float, F32_512)
+PANEL512(panel512h, uint16_t, F16_512)
 
 /* AVX2: one panel (two registers) x up to COLP256 columns (12 of the 16 registers). */
 #define PANELS256 1
 #define COLP256 6
 
-AVX2 INLINE void panel256(const float *w, int64_t k, const float *x, size_t x_row, float *dst,
-                          size_t dst_row, const int rp, const int rn) {
-    (void)rp; /* always one */
-    __m256 acc[2][COLP256];
-    for (int h = 0; h < 2; h++)
-        for (int b = 0; b < rn; b++) acc[h][b] = _mm256_setzero_ps();
-    for (int64_t l = 0; l < k; l++) {
-        __m256 lo = _mm256_loadu_ps(w + l * PANEL), hi = _mm256_loadu_ps(w + l * PANEL + 8);
-        for (int b = 0; b < rn; b++) {
-            __m256 xb = _mm256_set1_ps(x[b * x_row + l]);
-            acc[0][b] = _mm256_fmadd_ps(lo, xb, acc[0][b]);
-            acc[1][b] = _mm256_fmadd_ps(hi, xb, acc[1][b]);
-        }
+#define PANEL256(name, wtype, load)                                                                \
+    AVX2 INLINE void name(const wtype *w, int64_t k, const float *x, size_t x_row, float *dst,     \
+                          size_t dst_row, const int rp, const int rn) {                            \
+        (void)rp; /* always one */                                                                 \
+        __m256 acc[2][COLP256];                                                                    \
+        for (int h = 0; h < 2; h++)                                                                \
+            for (int b = 0; b < rn; b++) acc[h][b] = _mm256_setzero_ps();                          \
+        for (int64_t l = 0; l < k; l++) {                                                          \
+            __m256 lo = load(w + l * PANEL), hi = load(w + l * PANEL + 8);                         \
+            for (int b = 0; b < rn; b++) {                                                         \
+                __m256 xb = _mm256_set1_ps(x[b * x_row + l]);                                      \
+                acc[0][b] = _mm256_fmadd_ps(lo, xb, acc[0][b]);                                    \
+                acc[1][b] = _mm256_fmadd_ps(hi, xb, acc[1][b]);                                    \
+            }                                                                                      \
+        }                                                                                          \
+        for (int b = 0; b < rn; b++) {                                                             \
+            _mm256_storeu_ps(dst + b * dst_row, acc[0][b]);                                        \
+            _mm256_storeu_ps(dst + b * dst_row + 8, acc[1][b]);                                    \
+        }                                                                                          \
     }
-    for (int b = 0; b < rn; b++) {
-        _mm256_storeu_ps(dst + b * dst_row, acc[0][b]);
-        _mm256_storeu_ps(dst + b * dst_row + 8, acc[1][b]);
-    }
-}
+
+PANEL256(panel256, float, F32_256)
+PANEL256(panel256h, uint16_t, F16_256)
 
 /* tile(..., rp, rn) for rn of 1..6, each count's body inlined */
 #define COLUMNS6(tile, w, k, x, x_row, dst, dst_row, rp, rn)        \
@@ -93,13 +111,13 @@ AVX2 INLINE void panel256(const float *w, int64_t k, const float *x, size_t x_ro
     default: tile(w, k, x, x_row, dst, dst_row, rp, 6); break;      \
     }
 
-/* Panels [p0, p1) by every column: tiles of up to `panels` panels by 6 columns (then the
-   columns left), each panel read from memory once while every column passes. */
-#define PANELS_BY(target, name, tile, panels)                                                   \
+/* Panels [p0, p1) of `wtype` weights by every column: tiles of up to `panels` panels by 6
+   columns (then the columns left), each panel read from memory once while every column passes. */
+#define PANELS_BY(target, name, tile, panels, wtype)                                            \
     target static void name(const struct operands *o, int64_t p0, int64_t p1, int64_t n) {     \
         for (int64_t p = p0; p < p1; p += panels) {                                            \
             const int rp = p1 - p < panels ? (int)(p1 - p) : panels;                           \
-            const float *w = o->w + p * o->k * PANEL;                                          \
+            const wtype *w = (const wtype *)o->w + p * o->k * PANEL;                           \
             for (int64_t j = 0; j < n; j += 6) {                                               \
                 const int rn = n - j < 6 ? (int)(n - j) : 6;                                   \
                 const float *x = o->x + j * o->x_row;                                          \
@@ -114,52 +132,61 @@ AVX2 INLINE void panel256(const float *w, int64_t k, const float *x, size_t x_ro
         }                                                                                      \
     }
 
-PANELS_BY(AVX512, panels512, panel512, PANELS512)
-PANELS_BY(AVX2, panels256, panel256, PANELS256)
+PANELS_BY(AVX512, panels512, panel512, PANELS512, float)
+PANELS_BY(AVX512, panels512h, panel512h, PANELS512, uint16_t)
+PANELS_BY(AVX2, panels256, panel256, PANELS256, float)
+PANELS_BY(AVX2, panels256h, panel256h, PANELS256, uint16_t)
 
 /* W [m, k] (element (i, l) at src[i * row + l * col]) packed as `panels_at` takes it, on any
-   CPU (plain C: the copy is bound by memory): panel p [k][PANEL] holds rows 16 p .. 16 p + 15, the rows beyond m zero. One pass over W, each
-   panel written in order (a weight in the file's layout or a transposed view of it alike). */
-void kz_f32_product_pack(const float *src, int64_t m, int64_t k, int64_t row, int64_t col, float *dst) {
-    for (int64_t p = 0; p < (m + PANEL - 1) / PANEL; p++) {
-        float *panel = dst + p * k * PANEL;
-        const int rows = m - p * PANEL < PANEL ? (int)(m - p * PANEL) : PANEL;
-        for (int64_t l = 0; l < k; l++) {
-            const float *s = src + p * PANEL * row + l * col;
-            for (int r = 0; r < rows; r++) panel[l * PANEL + r] = s[r * row];
-            for (int r = rows; r < PANEL; r++) panel[l * PANEL + r] = 0.0f;
-        }
+   CPU (plain C: the copy is bound by memory): panel p [k][PANEL] holds rows 16 p .. 16 p + 15,
+   the rows beyond m zero. One pass over W, each panel written in order (a weight in the file's
+   layout or a transposed view of it alike); float32 (`pack`) or float16 (`pack16`) as stored. */
+#define PACK(name, wtype)                                                                         \
+    void name(const wtype *src, int64_t m, int64_t k, int64_t row, int64_t col, wtype *dst) {     \
+        for (int64_t p = 0; p < (m + PANEL - 1) / PANEL; p++) {                                   \
+            wtype *panel = dst + p * k * PANEL;                                                   \
+            const int rows = m - p * PANEL < PANEL ? (int)(m - p * PANEL) : PANEL;                \
+            for (int64_t l = 0; l < k; l++) {                                                     \
+                const wtype *s = src + p * PANEL * row + l * col;                                 \
+                for (int r = 0; r < rows; r++) panel[l * PANEL + r] = s[r * row];                 \
+                for (int r = rows; r < PANEL; r++) panel[l * PANEL + r] = 0;                      \
+            }                                                                                     \
+        }                                                                                         \
     }
-}
 
+PACK(kz_f32_product_pack, float)
+PACK(kz_f32_product_pack16, uint16_t)
 
-/* dst = W x for a packed W of m rows, called directly (the codec decoder's own buffers, on
-   its one thread): column j of x at x + j * x_col (k floats), of dst at dst + j * dst_col (m
-   floats; the last panel's rows beyond m are computed aside and left out). */
-static void panels_at(void (*panels)(const struct operands *, int64_t, int64_t, int64_t),
-                      const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
-                      int64_t n, float *dst, int64_t dst_col) {
+typedef void panels_fn(const struct operands *, int64_t, int64_t, int64_t);
+
+/* dst = W x for a packed W of m rows (`size`-byte weights), called directly (the codec
+   decoder's own buffers, on its one thread): column j of x at x + j * x_col (k floats), of dst
+   at dst + j * dst_col (m floats; the last panel's rows beyond m are computed aside and left
+   out). */
+static void panels_at(panels_fn *panels, const void *w, size_t size, int64_t m, int64_t k,
+                      const float *x, int64_t x_col, int64_t n, float *dst, int64_t dst_col) {
     const int64_t full = m / PANEL, rest = m % PANEL;
     const struct operands o = {.w = w, .x = x, .dst = dst, .x_row = (size_t)x_col, .dst_row = (size_t)dst_col, .k = k};
     panels(&o, 0, full, n);
     if (!rest) return;
     float *aside = malloc((size_t)n * PANEL * sizeof(float));
     if (aside == NULL) abort(); /* as numpy would raise */
-    const struct operands last = {.w = w + full * k * PANEL, .x = x, .dst = aside, .x_row = (size_t)x_col, .dst_row = PANEL, .k = k};
+    const struct operands last = {.w = (const char *)w + full * k * PANEL * size, .x = x, .dst = aside, .x_row = (size_t)x_col, .dst_row = PANEL, .k = k};
     panels(&last, 0, 1, n);
     for (int64_t j = 0; j < n; j++) memcpy(dst + j * dst_col + full * PANEL, aside + j * PANEL, rest * sizeof(float));
     free(aside);
 }
 
-void kz_f32_product_panels_avx512(const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
-                                  int64_t n, float *dst, int64_t dst_col) {
-    panels_at(panels512, w, m, k, x, x_col, n, dst, dst_col);
-}
+#define PANELS_AT(name, panels, size)                                                             \
+    void name(const void *w, int64_t m, int64_t k, const float *x, int64_t x_col, int64_t n,      \
+              float *dst, int64_t dst_col) {                                                      \
+        panels_at(panels, w, size, m, k, x, x_col, n, dst, dst_col);                              \
+    }
 
-void kz_f32_product_panels_avx2(const float *w, int64_t m, int64_t k, const float *x, int64_t x_col,
-                                int64_t n, float *dst, int64_t dst_col) {
-    panels_at(panels256, w, m, k, x, x_col, n, dst, dst_col);
-}
+PANELS_AT(kz_f32_product_panels_avx512, panels512, 4)
+PANELS_AT(kz_f32_product_panels_avx2, panels256, 4)
+PANELS_AT(kz_f32_product_panels16_avx512, panels512h, 2)
+PANELS_AT(kz_f32_product_panels16_avx2, panels256h, 2)
 
 /* Rows: W in place [m, k] times x [k, n] whose rows are contiguous, into dst [m, n] likewise
    (the decoder's context buffers and outputs, channel-major): lanes over the columns, each

@@ -54,17 +54,19 @@ def pack(w: np.ndarray) -> np.ndarray:
     [ceil(out / PANEL), in, PANEL], in one pass of our kernel's (numpy's transposes took 3x as
     long to load the decoder)."""
     out, k = w.shape
-    assert w.dtype == np.float32
-    packed = np.empty((-(-out // PANEL), k, PANEL), np.float32)
-    row, col = (s // 4 for s in w.strides)
-    _function("pack")(_at(w), out, k, row, col, _at(packed))
+    assert w.dtype in (np.float32, np.float16)
+    packed = np.empty((-(-out // PANEL), k, PANEL), w.dtype)
+    row, col = (s // w.itemsize for s in w.strides)
+    _function("pack" if w.dtype == np.float32 else "pack16")(_at(w), out, k, row, col, _at(packed))
     return packed
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = {  # f32_product.c's direct calls
     "pack": [_P, _I, _I, _I, _I, _P],
+    "pack16": [_P, _I, _I, _I, _I, _P],
     "panels": [_P, _I, _I, _P, _I, _I, _P, _I],
+    "panels16": [_P, _I, _I, _P, _I, _I, _P, _I],
     "rows": [_P, _I, _I, _I, _P, _I, _I, _P, _I],
 }
 
@@ -93,12 +95,14 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
     or W in place, x's and out's rows contiguous (the decoder's channel-major buffers). Every
     element is one chain of fmadds over k in order either way: the same numbers."""
     (m, k), n = shape, x.shape[1]
-    assert x.shape[0] == k and out.shape == (m, n) and x.dtype == out.dtype == w.dtype == np.float32
+    assert x.shape[0] == k and out.shape == (m, n) and x.dtype == out.dtype == np.float32
     if w.ndim == 3:
         assert x.strides[0] == out.strides[0] == 4, "panels take columns of contiguous numbers"
         x_col, out_col = x.strides[1] // 4, out.strides[1] // 4
-        _function("panels", variant)(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
+        op = "panels" if w.dtype == np.float32 else "panels16"
+        _function(op, variant)(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
     else:
+        assert w.dtype == np.float32, "weights in place are float32"
         assert x.strides[1] == out.strides[1] == w.strides[1] == 4, "rows of contiguous numbers"
         w_row, x_row, out_row = w.strides[0] // 4, x.strides[0] // 4, out.strides[0] // 4
         _function("rows", variant)(_at(w), m, k, w_row, _at(x), x_row, n, _at(out), out_row)

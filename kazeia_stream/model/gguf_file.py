@@ -223,18 +223,29 @@ class GGUFFile:
         """A whole tensor as float32 (mapped, when stored as float32)."""
         return self._float32(name, self.raw(name))
 
+    def weight(self, name: str) -> np.ndarray:
+        """A whole tensor as `tensor` gives it, but as float16 where the file stores it so,
+        mapped: an engine that widens it gets the same numbers, and one that need not reads
+        half the bytes."""
+        if self.tensor_type(name) == GGMLQuantizationType.F16:
+            return self.raw(name)
+        return self.tensor(name)
+
     def joined(self, names: Sequence[str]) -> np.ndarray:
-        """Tensors of equal trailing shape joined on their first axis, as float32: mapped in
-        place where the file holds them back to back in that order as float32 (llama.cpp's
-        converter writes a layer's q, k, v so), else a concatenation in memory."""
+        """Tensors of equal trailing shape joined on their first axis, as `weight` gives each:
+        mapped in place where the file holds them back to back in that order as float32 or
+        float16 alike (llama.cpp's converter writes a layer's q, k, v so), else a
+        concatenation in memory."""
         spans = [self.span(name) for name in names]
         shapes = [self.tensor_shape(name) for name in names]
         adjacent = all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
-        plain = all(self.tensor_type(name) == GGMLQuantizationType.F32 for name in names)
+        types = {self.tensor_type(name) for name in names}
+        plain = types <= {GGMLQuantizationType.F32} or types == {GGMLQuantizationType.F16}
         if not (adjacent and plain and len({shape[1:] for shape in shapes}) == 1):
-            return np.concatenate([self.tensor(name) for name in names])
+            return np.concatenate([self.weight(name) for name in names])
         shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
-        return np.memmap(self.path, dtype=np.float32, mode="r", offset=spans[0][0], shape=shape)
+        dtype = _PLAIN_DTYPES[types.pop()]
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=spans[0][0], shape=shape)
 
     def read(self, name: str) -> np.ndarray:
         """A whole tensor as float32 in memory the process owns (`load`, dequantized if
