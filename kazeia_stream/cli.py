@@ -105,7 +105,7 @@ def _model_path(args: argparse.Namespace) -> str:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .model.convert import convert
 
-    talker, mmproj = convert(args.hf_dir, args.out_dir, args.type)
+    talker, mmproj = convert(args.hf_dir, args.out_dir, args.type, args.decoder)
     print(f"wrote {talker}\nwrote {mmproj}", file=sys.stderr)
     return 0
 
@@ -192,7 +192,7 @@ def _device(device: str | None) -> str | int | None:
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from .model.convert import TYPES
+    from .model.convert import DECODER_TYPES, TYPES
 
     types = "; ".join(f"{name}: {what}" for name, what in TYPES.items())
     p = sub.add_parser(
@@ -205,6 +205,12 @@ def _convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--type", choices=list(TYPES), default="f16", help="weight type (default f16)")
+    p.add_argument(
+        "--decoder",
+        choices=list(DECODER_TYPES),
+        default="f32",
+        help="; ".join(f"{name}: {what}" for name, what in DECODER_TYPES.items()) + " (default f32)",
+    )
     p.set_defaults(func=cmd_convert)
     return p
 

@@ -50,19 +50,21 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_gguf(
     tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[..., Path]
 ) -> Callable[..., tuple[Path, Path]]:
-    """`tiny_gguf(kind, out_type="f32", seed=None)`: (talker, mmproj) GGUF paths of the
-    converted tiny checkpoint."""
+    """`tiny_gguf(kind, out_type="f32", seed=None, decoder="f32")`: (talker, mmproj) GGUF
+    paths of the converted tiny checkpoint."""
     from kazeia_stream.model.convert import convert
 
-    cache: dict[tuple[str, str, int], tuple[Path, Path]] = {}
+    cache: dict[tuple[str, str, int, str], tuple[Path, Path]] = {}
 
-    def make(kind: str, out_type: str = "f32", seed: int | None = None) -> tuple[Path, Path]:
+    def make(
+        kind: str, out_type: str = "f32", seed: int | None = None, decoder: str = "f32"
+    ) -> tuple[Path, Path]:
         seed = TINY_SEEDS[kind] if seed is None else seed
-        if (kind, out_type, seed) not in cache:
-            cache[kind, out_type, seed] = convert(
-                tiny_checkpoint(kind, seed), tmp_path_factory.mktemp("gguf"), out_type
+        if (kind, out_type, seed, decoder) not in cache:
+            cache[kind, out_type, seed, decoder] = convert(
+                tiny_checkpoint(kind, seed), tmp_path_factory.mktemp("gguf"), out_type, decoder
             )
-        return cache[kind, out_type, seed]
+        return cache[kind, out_type, seed, decoder]
 
     return make
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from decoders import PRODUCTS, tiny_decoder
 
-from kazeia_stream.engine import snake, winograd
+from kazeia_stream.engine import f32_product, snake, winograd
 from kazeia_stream.engine.codec import PANEL_COLUMNS, SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.model.gguf_file import GGUFFile
 
@@ -79,6 +79,28 @@ def _chunkings(total: int) -> dict[str, list[int]]:
 
 
 CHUNKINGS = _chunkings(80)
+
+
+def test_a_float16_decoder_gives_its_widened_weights_audio_from_float16_panels(
+    tiny_gguf, reference, monkeypatch
+):
+    """A file that stores the decoder's weights in float16 (`convert --decoder f16`; llama.cpp
+    writes its conv kernels so): the products of few columns read float16 panels, and the
+    audio is that of the same weights widened to float32, bit for bit. The weights' rounding
+    shows against the official float32 decoder."""
+    if f32_product.chosen() is None:
+        pytest.skip("our float32 kernel is not built here")
+    mmproj = tiny_gguf("custom_voice", "f32", decoder="f16")[1]
+    decoder = tiny_decoder(mmproj, "direct")
+    audio = decoder.decode(reference["codes"])
+    assert any(m.panels and m.array.dtype == np.float16 for m, _ in decoder.products())
+    # every weight widened at the load
+    monkeypatch.setattr(GGUFFile, "weight", GGUFFile.tensor)
+    monkeypatch.setattr(GGUFFile, "joined", lambda f, names: np.concatenate([f.tensor(n) for n in names]))
+    widened = tiny_decoder(mmproj, "direct")
+    assert all(m.array.dtype == np.float32 for m, _ in widened.products())
+    np.testing.assert_array_equal(audio, widened.decode(reference["codes"]))
+    assert 1e-4 < np.abs(audio - reference["audio"]).max() < 0.05
 
 
 @pytest.mark.parametrize("name", CHUNKINGS)

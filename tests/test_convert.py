@@ -17,7 +17,7 @@ from gguf import TokenType
 import kazeia_stream
 from kazeia_stream.errors import ModelFileError, UsageError
 from kazeia_stream.model import gguf_layout as L
-from kazeia_stream.model.convert import TYPES, convert
+from kazeia_stream.model.convert import DECODER_TYPES, TYPES, convert
 from kazeia_stream.model.gguf_file import GGUFFile
 
 KINDS = ("custom_voice", "base", "voice_design")
@@ -323,6 +323,36 @@ def test_codec_stays_f32(tiny_gguf):
         assert len(codec) > 100 and set(codec.values()) == {QType.F32}
 
 
+def test_a_float16_decoder_has_its_matrices_and_kernels_float16(tiny_gguf):
+    """`decoder="f16"`: the codec decoder's matrices and conv kernels F16 (not its codebooks,
+    which are looked up, nor its vectors); every other tensor as the type writes it."""
+    talker, mmproj = tiny_gguf("custom_voice", "q8_0", decoder="f16")
+    plain_talker, plain_mmproj = tiny_gguf("custom_voice", "q8_0")
+    assert types(talker) == types(plain_talker)
+    f, plain = gguf_file(mmproj), types(plain_mmproj)
+    tables = (L.WAV_QUANT_FIRST_CB, L.WAV_QUANT_REST_CB)
+    decoder = [n for n in f.tensor_names if n.startswith(L.WAV_PREFIX) and n not in tables]
+    half = {n for n in decoder if len(f.tensor_shape(n)) > 1}
+    assert len(half) > 50
+    assert types(mmproj) == {n: QType.F16 if n in half else t for n, t in plain.items()}
+    reference, got = tensors(plain_mmproj), tensors(mmproj)
+    for name in half:
+        np.testing.assert_array_equal(got[name], reference[name].astype(np.float16).astype(np.float32))
+
+
+def test_the_decoder_type_is_offered_on_the_command_line(tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = tiny_checkpoint("custom_voice")
+    cmd = [sys.executable, "-m", "kazeia_stream", "convert", str(ckpt), str(tmp_path), "--type", "f32"]
+    subprocess.run([*cmd, "--decoder", "f16"], check=True, capture_output=True)
+    mmproj = gguf_file(next(tmp_path.glob("mmproj-*.gguf")))
+    assert mmproj.tensor_type(L.WAV_PRE_CONV + ".weight") == QType.F16
+    bad = subprocess.run([*cmd, "--decoder", "q8_0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--decoder" in bad.stderr
+
+
 @pytest.mark.parametrize("out_type", ["q4_k_m", "q5_k_m", "q6_k"])
 def test_talker_types_from_llama_cpps_quantizer(out_type, tiny_gguf):
     """llama_model_quantize makes the talker (every matrix quantized; the tiny widths are not
@@ -349,6 +379,7 @@ def test_talker_types_from_llama_cpps_quantizer(out_type, tiny_gguf):
 
 def test_types_are_described():
     assert set(TYPES) == {"f32", "f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"} and all(TYPES.values())
+    assert set(DECODER_TYPES) == {"f32", "f16"} and all(DECODER_TYPES.values())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -427,3 +458,6 @@ def test_missing_tensor(broken, tmp_path):
 def test_unknown_type(tiny_checkpoint, tmp_path):
     with pytest.raises(UsageError):
         convert(tiny_checkpoint("base"), tmp_path, "q4_0")
+    with pytest.raises(UsageError, match="decoder type"):
+        convert(tiny_checkpoint("base"), tmp_path, "f16", decoder="q8_0")
+    assert not list(tmp_path.glob("*.gguf*"))

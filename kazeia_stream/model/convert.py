@@ -56,6 +56,12 @@ TYPES: dict[str, str] = {
     "q5_k_m": "the talker by llama.cpp's Q5_K_M recipe; the mmproj as q8_0",
     "q6_k": "the talker by llama.cpp's Q6_K recipe; the mmproj as q8_0",
 }
+DECODER_TYPES: dict[str, str] = {
+    "f32": "the codec decoder in float32, whatever the type: its audio that of the official "
+    "decoder to float rounding",
+    "f16": "its matrices and conv kernels in float16, as llama.cpp writes its conv kernels: "
+    "half the bytes a frame's decode reads, and their rounding in the audio",
+}
 # Types whose talker llama.cpp's own quantizer makes (llama_model_quantize) from an F32 talker;
 # their code predictor stays Q8_0: below 8 bits its codes drift (#11).
 _LLAMA_QUANTIZED = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # enum llama_ftype
@@ -129,14 +135,19 @@ _ENC_TFM_LAYER = {  # the Mimi encoder transformer's linear layers, biases only 
 _GENERATION_SOURCE = {"subtalker_do_sample": "subtalker_dosample"}  # our key -> generation_config.json
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> tuple[Path, Path]:
-    """Write `<name>-<type>.gguf` (talker) and `mmproj-<name>-<type>.gguf` into out_dir.
+def convert(
+    hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16", decoder: str = "f32"
+) -> tuple[Path, Path]:
+    """Write `<name>-<type>.gguf` (talker) and `mmproj-<name>-<type>.gguf` into out_dir, the
+    codec decoder's weights as `decoder` says (`DECODER_TYPES`).
 
     `<name>` is the checkpoint directory's name. Raises ModelFileError naming the file when an
-    input is missing or invalid, UsageError for an unknown out_type.
+    input is missing or invalid, UsageError for an unknown out_type or decoder type.
     """
     if out_type not in TYPES:
         raise UsageError(f"unknown type {out_type!r}; choose one of {', '.join(TYPES)}")
+    if decoder not in DECODER_TYPES:
+        raise UsageError(f"unknown decoder type {decoder!r}; choose one of {', '.join(DECODER_TYPES)}")
     ckpt = _Checkpoint(Path(hf_dir))
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -150,7 +161,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, out_type: str = "f16") -> t
     (talker, talker_tensors), (mmproj, mmproj_tensors) = (
         # every input is read and checked before anything is written; then both files or neither
         _talker_file(ckpt, "f32" if quantized else out_type),
-        _mmproj_file(ckpt, mmproj_type),
+        _mmproj_file(ckpt, mmproj_type, decoder),
     )
     unquantized = parts[0].with_name(parts[0].name + ".f32")
     try:
@@ -349,6 +360,7 @@ class _Tensor:
     chunks: Callable[[], Iterable[np.ndarray]]
     keep_f32: bool = False
     no_f16: bool = False  # F32 where the type would make it F16 (its input exceeds F16's range)
+    f16: bool = False  # F16 whatever the type (the codec decoder's matrices, `DECODER_TYPES`)
 
 
 def _copy(st: _SafeTensors, src: str, dst: str, no_f16: bool = False) -> _Tensor:
@@ -725,11 +737,15 @@ def _talker_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, lis
     return w, tensors
 
 
-def _mmproj_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
+def _mmproj_file(ckpt: _Checkpoint, out_type: str, decoder: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
     """The mmproj's metadata in a writer, and its tensors."""
     cp, dec = ckpt.code_predictor, ckpt.decoder
     has_spkenc = ckpt.kind == "base"
-    tensors = _code_predictor_tensors(ckpt) + _codec_tensors(ckpt)
+    codec = _codec_tensors(ckpt)
+    if decoder == "f16":
+        tables = (L.WAV_QUANT_FIRST_CB, L.WAV_QUANT_REST_CB)  # looked up: no product reads them
+        codec = [replace(t, f16=len(t.shape) > 1 and t.name not in tables) for t in codec]
+    tensors = _code_predictor_tensors(ckpt) + codec
     if has_spkenc:
         tensors += _speaker_encoder_tensors(ckpt) + _codec_encoder_tensors(ckpt)
     w = gguf.GGUFWriter(None, L.MMPROJ_ARCH)
@@ -812,8 +828,10 @@ def _add_typed(w: gguf.GGUFWriter, key: str, value: bool | int | float | str) ->
 
 def _ggml_type(t: _Tensor, out_type: str) -> QType:
     """llama.cpp's rules: vectors F32; the codec decoder and encoder, the speaker encoder and
-    forced tensors F32 (ours); rows that are not whole Q8_0 blocks fall back to F16, or F32
-    where F16 would overflow."""
+    forced tensors F32 (ours), unless forced F16; rows that are not whole Q8_0 blocks fall
+    back to F16, or F32 where F16 would overflow."""
+    if t.f16:
+        return QType.F16
     if out_type == "f32" or len(t.shape) < 2 or t.keep_f32 or t.name.startswith((L.WAV_PREFIX, L.ENC_PREFIX)):
         return QType.F32
     if out_type == "q8_0" and t.shape[-1] % gguf.GGML_QUANT_SIZES[QType.Q8_0][0] == 0:
