@@ -81,8 +81,9 @@ def _chunkings(total: int) -> dict[str, list[int]]:
 CHUNKINGS = _chunkings(80)
 
 
+@pytest.mark.parametrize("products", ["winograd", "direct"])
 def test_a_float16_decoder_gives_its_widened_weights_audio_from_float16_panels(
-    tiny_gguf, reference, monkeypatch
+    tiny_gguf, reference, monkeypatch, products
 ):
     """A file that stores the decoder's weights in float16 (`convert --decoder f16`; llama.cpp
     writes its conv kernels so): the products of few columns read float16 panels, and the
@@ -91,13 +92,13 @@ def test_a_float16_decoder_gives_its_widened_weights_audio_from_float16_panels(
     if f32_product.chosen() is None:
         pytest.skip("our float32 kernel is not built here")
     mmproj = tiny_gguf("custom_voice", "f32", decoder="f16")[1]
-    decoder = tiny_decoder(mmproj, "direct")
+    decoder = tiny_decoder(mmproj, products)
     audio = decoder.decode(reference["codes"])
     assert any(m.panels and m.array.dtype == np.float16 for m, _ in decoder.products())
     # every weight widened at the load
     monkeypatch.setattr(GGUFFile, "weight", GGUFFile.tensor)
     monkeypatch.setattr(GGUFFile, "joined", lambda f, names: np.concatenate([f.tensor(n) for n in names]))
-    widened = tiny_decoder(mmproj, "direct")
+    widened = tiny_decoder(mmproj, products)
     assert all(m.array.dtype == np.float32 for m, _ in widened.products())
     np.testing.assert_array_equal(audio, widened.decode(reference["codes"]))
     assert 1e-4 < np.abs(audio - reference["audio"]).max() < 0.05

@@ -197,10 +197,10 @@ class Matrix:
     time."""
 
     def __init__(self, w: np.ndarray, column_major: bool = False) -> None:
-        self.array = _float32(w)  # W, or its panels
-        # W as the file stores it, where that is float16: its panels hold the same numbers in
-        # half the bytes (the products of few columns are bound by reading them)
-        self._float16 = w if w.dtype == np.float16 else None
+        # W, or its panels. Float16 as the file stores it until the load places it: its panels
+        # hold the same numbers in half the bytes (products of few columns are bound by reading
+        # them); elsewhere it is widened (`multiply_directly`, `widen`)
+        self.array = w if w.dtype == np.float16 else _float32(w)
         self.shape: tuple[int, int] = self.array.shape  # W's
         self.column_major = column_major
         self.allocator: Allocator | None = None
@@ -227,9 +227,11 @@ class Matrix:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
         copied into `panels` (the row-major copy let go), of float16 where the file stores W so."""
         self.variant = variant
-        if panels:
-            self.array = f32_product.pack(self.array if self._float16 is None else self._float16)
-        self._float16 = None
+        self.array = f32_product.pack(self.array) if panels else _float32(self.array)
+
+    def widen(self) -> None:
+        """W as float32 from now on, where the file stores it in float16."""
+        self.array = _float32(self.array)
 
     @property
     def panels(self) -> bool:
@@ -408,7 +410,7 @@ class CausalConv:
         5/14 of the multiply-adds, within float rounding of the direct products."""
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
-        weight = self.products[0].array.reshape(-1, self.c_in, self.k)
+        weight = _float32(self.products[0].array).reshape(-1, self.c_in, self.k)
         self.products = [Matrix(u, column_major=True) for u in winograd.kernel_weights(weight)]
         self.method = "winograd"
 
@@ -900,8 +902,10 @@ class CodecDecoder:
         for matrix, columns in self.matrices().values():
             if kernel is not None:
                 matrix.multiply_directly(kernel, panels=matrix.column_major or columns < PANEL_COLUMNS)
-            elif columns <= GGML_COLUMNS:
-                matrix.allocator, matrix.by_column = self._allocator, columns == 1
+            else:
+                matrix.widen()
+                if columns <= GGML_COLUMNS:
+                    matrix.allocator, matrix.by_column = self._allocator, columns == 1
             if not matrix.panels:  # the weights used in place: the first frame is heard first
                 prefault(matrix.array)
         for _ in range(2):  # a frame's graphs too; again where the buffer's growth left one stale
