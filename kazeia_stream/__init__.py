@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .engine.threads import spin_openmp_briefly
 from .errors import EmptyTextError, KazeiaError, ModelFileError, OutputError, UsageError
+
+spin_openmp_briefly()  # before anything loads libllama (and libgomp with it)
 
 if TYPE_CHECKING:
     from .cloning import voice_from_audio
