@@ -182,19 +182,19 @@ def _matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.n
 
 
 class Matrix:
-    """A weight W [out, in] (float32) and W @ X. A column's numbers must not depend on the
-    columns that come with it (other frames of a push, other streams). The decoder's load
-    chooses where it runs. On our kernel where it runs (`multiply_directly`), called on the
-    caller's buffers, its numbers never do: W copied into `panels`, for inputs whose columns
-    each hold contiguous numbers (`column_major`: Winograd's planes) and for few columns a
-    frame (the weights stream from memory faster so), or W in place, for the others. Else on
-    ggml's graphs once `allocator` is set (few columns per frame: they read W in place, where
-    OpenBLAS first packs it), whose several-column kernel gives the same numbers for any count
-    of at least two, its one-column kernel others, so a layer of one column per frame
-    (`by_column`) takes every column through the one-column kernel (ggml does when the columns
-    are not contiguous: they are read with a row of padding); or on numpy's BLAS, whose
-    numbers depend on the count: the decoder calls those layers with one frame's columns at a
-    time."""
+    """A weight W [out, in] (float32, or float16 as a file may store it) and W @ X. A column's
+    numbers must not depend on the columns that come with it (other frames of a push, other
+    streams). The decoder's load chooses where it runs. On our kernel where it runs
+    (`multiply_directly`), called on the caller's buffers, its numbers never do: W copied into
+    `panels`, for inputs whose columns each hold contiguous numbers (`column_major`: Winograd's
+    planes) and for few columns a frame (the weights stream from memory faster so), or W in
+    place, for the others. Else on ggml's graphs once `allocator` is set (few columns per frame:
+    they read W in place, where OpenBLAS first packs it), whose several-column kernel gives the
+    same numbers for any count of at least two, its one-column kernel others, so a layer of one
+    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
+    when the columns are not contiguous: they are read with a row of padding); or on numpy's
+    BLAS, whose numbers depend on the count: the decoder calls those layers with one frame's
+    columns at a time."""
 
     def __init__(self, w: np.ndarray, column_major: bool = False) -> None:
         # W, or its panels. Float16 as the file stores it until the load places it: its panels

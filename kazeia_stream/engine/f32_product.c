@@ -1,5 +1,5 @@
-/* Float32 weights times float32 columns, called directly by the codec decoder on its own
-   buffers (see f32_product.py for why), on one thread.
+/* Float32 weights (or float16 ones, widened exactly, in panels) times float32 columns, called
+   directly by the codec decoder on its own buffers (see f32_product.py for why), on one thread.
 
    Every element of a product is one chain of fmadds over the inner index k, in order, from
    zero, so that a column's numbers do not depend on how many columns come with it or where it

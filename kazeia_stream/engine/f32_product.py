@@ -1,5 +1,6 @@
 """Float32 weights times float32 columns on a kernel of our own (`f32_product.c`), called
-directly on the codec decoder's own buffers (`codec.Matrix`), on one thread.
+directly on the codec decoder's own buffers (`codec.Matrix`), on one thread; packed weights
+may be float16 as a file stores them, widened in the registers: the same numbers.
 
 Two reasons. ggml's float32 kernels give a column other numbers alone (its one-column kernel)
 than beside others (llamafile's tiles), and OpenBLAS's depend on the column count, so the
@@ -49,10 +50,10 @@ def chosen() -> str | None:
 
 
 def pack(w: np.ndarray) -> np.ndarray:
-    """A float32 matrix [out, in] (any strides: a transposed view will do) as `multiply`'s
-    panels take it: PANEL rows at a time, each panel [in, PANEL], the rows beyond `out` zero:
-    [ceil(out / PANEL), in, PANEL], in one pass of our kernel's (numpy's transposes took 3x as
-    long to load the decoder)."""
+    """A float32 or float16 matrix [out, in] (any strides: a transposed view will do) as
+    `multiply`'s panels take it, in its own type: PANEL rows at a time, each panel [in, PANEL],
+    the rows beyond `out` zero: [ceil(out / PANEL), in, PANEL], in one pass of our kernel's
+    (numpy's transposes took 3x as long to load the decoder)."""
     out, k = w.shape
     assert w.dtype in (np.float32, np.float16)
     packed = np.empty((-(-out // PANEL), k, PANEL), w.dtype)
