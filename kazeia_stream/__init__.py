@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .engine.threads import spin_openmp_briefly
 from .errors import EmptyTextError, KazeiaError, ModelFileError, OutputError, UsageError
+from .openmp import spin_openmp_briefly
 
 spin_openmp_briefly()  # before anything loads libllama (and libgomp with it)
 

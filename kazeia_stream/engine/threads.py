@@ -28,22 +28,6 @@ DECODER_THREADS = 1
 DECODER_GGML_THREADS = 1
 
 
-# libgomp's idle threads spin this many times before they sleep (GOMP_SPINCOUNT). Its default,
-# 300000, keeps the generator's second OpenMP thread spinning for milliseconds after a graph ran
-# on two threads, on the core that the codec decoder takes for the next frame's decode: in the
-# pipeline the decoder's pass took 54-59 ms a frame against 47-52 ms with 3000-30000 (RTF
-# 0.92-0.96 against 0.87-0.92; README, "Measured"); 10000 still bridges the gaps between the
-# code predictor's passes (0 took it from 47 to 60 ms a frame).
-OPENMP_SPIN_COUNT = 10000
-
-
-def spin_openmp_briefly() -> None:
-    """Set GOMP_SPINCOUNT to `OPENMP_SPIN_COUNT`, unless the environment sets it. libgomp reads
-    it once, as it loads with the bundled ggml: before libllama is, so the package's import
-    does it."""
-    os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
-
-
 def _affinity() -> set[int]:
     """The CPUs this process may run on; empty where the system does not say (not Linux)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
