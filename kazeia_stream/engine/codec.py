@@ -227,7 +227,10 @@ class Matrix:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
         copied into `panels` (the row-major copy let go), of float16 where the file stores W so."""
         self.variant = variant
-        self.array = f32_product.pack(self.array) if panels else _float32(self.array)
+        if panels:
+            self.array = f32_product.pack(self.array)
+        else:
+            self.widen()
 
     def widen(self) -> None:
         """W as float32 from now on, where the file stores it in float16."""

@@ -55,19 +55,17 @@ def pack(w: np.ndarray) -> np.ndarray:
     the rows beyond `out` zero: [ceil(out / PANEL), in, PANEL], in one pass of our kernel's
     (numpy's transposes took 3x as long to load the decoder)."""
     out, k = w.shape
-    assert w.dtype in (np.float32, np.float16)
     packed = np.empty((-(-out // PANEL), k, PANEL), w.dtype)
     row, col = (s // w.itemsize for s in w.strides)
-    _function("pack" if w.dtype == np.float32 else "pack16")(_at(w), out, k, row, col, _at(packed))
+    _function("pack" + _WEIGHTS[w.dtype])(_at(w), out, k, row, col, _at(packed))
     return packed
 
 
+_WEIGHTS = {np.dtype(np.float32): "", np.dtype(np.float16): "16"}  # a packing's op suffix
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGS = {  # f32_product.c's direct calls
+_ARGS = {  # f32_product.c's direct calls (their float16 twins take the same)
     "pack": [_P, _I, _I, _I, _I, _P],
-    "pack16": [_P, _I, _I, _I, _I, _P],
     "panels": [_P, _I, _I, _P, _I, _I, _P, _I],
-    "panels16": [_P, _I, _I, _P, _I, _I, _P, _I],
     "rows": [_P, _I, _I, _I, _P, _I, _I, _P, _I],
 }
 
@@ -81,7 +79,7 @@ def _function(op: str, variant: str | None = None) -> Callable[..., None]:
         fn = getattr(lib, f"kz_f32_product_{op}")
     else:
         fn = native.function("f32_product", variant, op)
-    fn.argtypes, fn.restype = _ARGS[op], None
+    fn.argtypes, fn.restype = _ARGS[op.removesuffix("16")], None
     return fn
 
 
@@ -100,8 +98,7 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
     if w.ndim == 3:
         assert x.strides[0] == out.strides[0] == 4, "panels take columns of contiguous numbers"
         x_col, out_col = x.strides[1] // 4, out.strides[1] // 4
-        op = "panels" if w.dtype == np.float32 else "panels16"
-        _function(op, variant)(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
+        _function("panels" + _WEIGHTS[w.dtype], variant)(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
     else:
         assert w.dtype == np.float32, "weights in place are float32"
         assert x.strides[1] == out.strides[1] == w.strides[1] == 4, "rows of contiguous numbers"

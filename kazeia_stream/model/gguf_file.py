@@ -240,7 +240,7 @@ class GGUFFile:
         shapes = [self.tensor_shape(name) for name in names]
         adjacent = all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
         types = {self.tensor_type(name) for name in names}
-        plain = types <= {GGMLQuantizationType.F32} or types == {GGMLQuantizationType.F16}
+        plain = types in ({GGMLQuantizationType.F32}, {GGMLQuantizationType.F16})
         if not (adjacent and plain and len({shape[1:] for shape in shapes}) == 1):
             return np.concatenate([self.weight(name) for name in names])
         shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])

@@ -35,9 +35,9 @@ async def decode_frames(
     kazeia_stream.engine.codec MMPROJ 1 2`), which a decoder that falls behind the generator
     gains (where it keeps up, every push takes one frame). An utterance's first frame is
     decoded ahead of other streams' frames (alone, on every core, the generator waiting, when
-    no other stream runs). Sets
-    `first_audio` once the first chunk exists, records the decoder's trace (each frame its
-    share of its push), the time of the first audio and the samples produced."""
+    no other stream runs). Sets `first_audio` once the first chunk exists, records the
+    decoder's trace (each frame its share of its push), the time of the first audio and the
+    samples produced."""
     state: DecoderState | None = None
     held: Frame | None = None  # a queued frame of the next segment: the next push's first
     async with frames, out:
@@ -46,16 +46,7 @@ async def decode_frames(
                 batch = [held or await frames.receive()]
             except trio.EndOfChannel:
                 break
-            held = None
-            while metrics.first_audio is not None and len(batch) < MAX_PUSH:
-                try:
-                    frame = frames.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-                if frame.new_segment:
-                    held = frame
-                    break
-                batch.append(frame)
+            held = _queued(frames, batch) if metrics.first_audio is not None else None
             if state is None or batch[0].new_segment:  # in a thread: it waits while the decoder loads
                 state = await trio.to_thread.run_sync(new_state)
             start = time.perf_counter()
@@ -71,3 +62,17 @@ async def decode_frames(
             metrics.samples += len(pcm)
             for frame, chunk in zip(batch, np.split(pcm, len(batch))):
                 await out.send(AudioChunk(frame.index, chunk, metrics.sample_rate))
+
+
+def _queued(frames: trio.MemoryReceiveChannel[Frame], batch: list[Frame]) -> Frame | None:
+    """Add to `batch` the frames of its segment queued behind it, up to `MAX_PUSH` in all;
+    return a queued first frame of the next segment (the next push's first), if one came."""
+    while len(batch) < MAX_PUSH:
+        try:
+            frame = frames.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
+        if frame.new_segment:
+            return frame
+        batch.append(frame)
+    return None
