@@ -3,6 +3,7 @@ need of it: a row's numbers whatever rows come with it, on any thread count."""
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -12,11 +13,12 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
 from kernels import on_each_variant
 
-from kazeia_stream.engine import q8_product
+from kazeia_stream.engine import native, q8_product
 from kazeia_stream.engine.ggml_graph import (
     Allocator,
     ArrayTensor,
     Graph,
+    _Claims,
     dims,
     products,
     type_of,
@@ -120,6 +122,33 @@ def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
     for replay in _replays(w, shape, op, x, [1, 2, 2, 1, 2, 1, 1, 2]):
         for y in replay:
             assert np.array_equal(y, expected)
+
+
+def test_a_thread_held_back_leaves_its_share_to_the_others(weight, op):
+    """Each thread takes its own contiguous share of the rows first, then the others' from
+    their backs: one thread of three, the two others not yet begun, computes every row, and
+    the next run begins afresh once all three found none left."""
+    w, (m, k) = weight
+    x = np.random.default_rng(7).standard_normal((2, k), dtype=np.float32)
+    expected = products(w, x, Allocator(), 1, op)
+    body = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)(
+        native.address("q8_product", op.keywords["variant"])
+    )
+    allocator, g, claims = Allocator(), Graph(8), _Claims()
+    try:
+        columns = g.input(QType.F32, (len(x), k))
+        y = g.output(op(g, w, columns))
+        g.allocate(allocator)
+        view_of(columns, QType.F32, (len(x), k))[...] = x
+        for run in range(2):
+            view_of(y, QType.F32, (len(x), m))[...] = np.nan
+            for ith in (run, (run + 1) % 3, (run + 2) % 3):  # the first alone does all the rows
+                body(y, ith, 3, ctypes.addressof(claims))
+                assert np.array_equal(view_of(y, QType.F32, (len(x), m)), expected)
+        assert claims.done == 0 and not any(claims.shares)
+    finally:
+        g.close()
+        allocator.close()
 
 
 def test_graphs_replayed_at_once_in_two_threads_do_not_share_their_counts(weight, op):

@@ -303,9 +303,9 @@ class Allocator:
 
 
 class _Claims(ctypes.Structure):
-    """An operation's count of the chunks of weight rows its threads took (`struct claims`)."""
+    """How an operation's threads take its weight rows (`struct claims`, engine/ggml_op.h)."""
 
-    _fields_ = [("next", ctypes.c_int), ("done", ctypes.c_int)]
+    _fields_ = [("done", ctypes.c_int), ("shares", ctypes.c_uint64 * 64)]
 
 
 class Graph:

@@ -8,9 +8,9 @@
    then pairs of int16: |x| times w with x's sign), two blocks per 256-bit register,
    interleaved eight bytes at a time so that one conversion and one fmadd scale both. A row of
    dst is summed in one order whatever n is, so a sequence's numbers do not depend on the rows
-   computed beside it. ggml's threads take chunks of 64 weight rows in turn (`claim`,
-   ggml_op.h) and read each from memory once, in tiles of 16 rows that stay in the cache while
-   every row of x passes (four at a time). */
+   computed beside it. ggml's threads take chunks of 64 weight rows, each from a contiguous
+   share of its own first (`claim`, ggml_op.h), and read each from memory once, in tiles of 16
+   rows that stay in the cache while every row of x passes (four at a time). */
 
 #include <stdlib.h>
 
@@ -278,7 +278,7 @@ static inline int64_t matrix_of(const struct tensor *w, const struct tensor *ids
    weights (a matrix, or a stack of them), src[1] x, src[2] (where w is a stack) the matrix
    each column takes; on one variant's quantizer, layout and tiles. Columns that take the same
    matrix one after another pass its rows together, up to ROWS at a time. */
-static void product(struct tensor *dst, int nth, struct claims *claims,
+static void product(struct tensor *dst, int ith, int nth, struct claims *claims,
                     void (*quantize)(const float *, int64_t, int8_t *, float *),
                     const struct layout *layout, tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
@@ -293,7 +293,7 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
         quantize(row, k, q + r * q_row, d + r * d_row);
     }
     const size_t dst_row = dst->nb[1] / sizeof(float);
-    for (int64_t first, last; claim(claims, m, &first, &last);) {
+    for (int64_t first, last; claim(claims, m, ith, nth, &first, &last);) {
         for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
             int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
             for (int64_t r = 0, count; r < n; r += count) {
@@ -314,11 +314,9 @@ static void product(struct tensor *dst, int nth, struct claims *claims,
 }
 
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    (void)ith;
-    product(dst, nth, claims, quantize512, &layout512, tile512);
+    product(dst, ith, nth, claims, quantize512, &layout512, tile512);
 }
 
 void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    (void)ith;
-    product(dst, nth, claims, quantize256, &layout256, tile256);
+    product(dst, ith, nth, claims, quantize256, &layout256, tile256);
 }
