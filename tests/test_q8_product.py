@@ -124,6 +124,12 @@ def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
             assert np.array_equal(y, expected)
 
 
+def test_the_claims_the_graph_allocates_are_the_kernel_s_size():
+    size = native.library("q8_product").kz_q8_product_claims_size
+    size.restype = ctypes.c_size_t
+    assert ctypes.sizeof(_Claims) == size()
+
+
 def test_a_thread_held_back_leaves_its_share_to_the_others(weight, op):
     """Each thread takes its own contiguous share of the rows first, then the others' from
     their backs: one thread of three, the two others not yet begun, computes every row, and

@@ -303,7 +303,8 @@ class Allocator:
 
 
 class _Claims(ctypes.Structure):
-    """How an operation's threads take its weight rows (`struct claims`, engine/ggml_op.h)."""
+    """How an operation's threads take its weight rows (`struct claims`, engine/ggml_op.h:
+    MAX_SHARES shares)."""
 
     _fields_ = [("done", ctypes.c_int), ("shares", ctypes.c_uint64 * 64)]
 

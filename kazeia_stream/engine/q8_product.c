@@ -313,6 +313,9 @@ static void product(struct tensor *dst, int ith, int nth, struct claims *claims,
     free(d);
 }
 
+/* The bytes of `struct claims`, which the caller allocates (ggml_graph.py's `_Claims`). */
+size_t kz_q8_product_claims_size(void) { return sizeof(struct claims); }
+
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
     product(dst, ith, nth, claims, quantize512, &layout512, tile512);
 }
