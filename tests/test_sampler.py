@@ -1,13 +1,26 @@
-"""The sampling chain of codebook 0 and of the code predictor."""
+"""The sampling chain of codebook 0 and of the code predictor, on our C kernel where it was
+built and in numpy."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from kazeia_stream.engine import sampler
 from kazeia_stream.engine.sampler import CodeSampler, TalkerSampler, warp_and_draw
 from kazeia_stream.model.config import Sampling
 
 EOS = 2150
+
+
+@pytest.fixture(autouse=True, params=["kernel", "numpy"])
+def draws_on(request, monkeypatch):
+    """Each test on either path: the kernel (skipped where it was not built) or numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sampler, "_kernel", lambda: None)
+    elif sampler._kernel() is None:
+        pytest.skip("the sampler's kernel was not built")
+    return request.param
 
 
 def _talker(**kw) -> TalkerSampler:
@@ -55,6 +68,15 @@ def test_top_p_keeps_the_smallest_set_above_p():
     assert draws == {0, 1}
 
 
+def test_ties_at_the_top_p_cut_are_dropped_in_index_order():
+    """Four tied codes hold 4.2% each beside one of 83%: top-p 0.9 drops two of them (8.3% <=
+    10%), the first two."""
+    logits = np.array([5.0, 2.0, 2.0, 2.0, 2.0, -np.inf, -np.inf, -np.inf], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    draws = {warp_and_draw(logits, Sampling(True, 1.0, 0, 0.9), rng) for _ in range(400)}
+    assert draws == {0, 3, 4}
+
+
 def test_draws_follow_the_tempered_distribution_and_the_seed():
     logits = np.log(np.array([0.6, 0.3, 0.1]))
     a = CodeSampler(Sampling(True, 1.0, 50, 1.0), np.random.default_rng(7))
@@ -74,7 +96,7 @@ def test_a_draw_is_numpy_choice_over_the_warped_distribution():
         kth = np.partition(scores, -p.top_k)[-p.top_k]
         scores[scores < kth] = -np.inf
         if p.top_p < 1.0:
-            order = np.argsort(scores)
+            order = np.argsort(scores, kind="stable")  # ties at the cut in index order
             probs = np.exp(scores[order] - scores.max())
             drop = np.cumsum(probs / probs.sum()) <= 1.0 - p.top_p
             drop[-1] = False
@@ -83,11 +105,18 @@ def test_a_draw_is_numpy_choice_over_the_warped_distribution():
         return int(rng.choice(len(e), p=e / e.sum()))
 
     gen = np.random.default_rng(3)
-    for p in (Sampling(True, 0.9, 50, 1.0), Sampling(True, 0.7, 20, 0.8)):
+    for p in (Sampling(True, 0.9, 50, 1.0), Sampling(True, 0.7, 20, 0.8), Sampling(True, 1.0, 0, 0.9)):
         for trial in range(40):
             logits = (gen.standard_normal(2048) * 4).astype(np.float32)
-            logits[:30] = logits[0]  # ties
+            logits[:30] = logits[0]  # ties, at the k-th score or the top-p cut in some trials
             ours, theirs = np.random.default_rng(trial), np.random.default_rng(trial)
             assert [warp_and_draw(logits, p, ours) for _ in range(25)] == [
                 reference(logits, p, theirs) for _ in range(25)
             ]
+
+
+def test_nothing_to_draw_is_an_error_not_a_code(draws_on):
+    if draws_on == "numpy":
+        pytest.skip("numpy's steps give NaN probabilities there")
+    with pytest.raises(ValueError, match="every logit is -inf"):
+        warp_and_draw(np.full(64, -np.inf, np.float32), Sampling(), np.random.default_rng(0))
