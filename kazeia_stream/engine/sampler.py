@@ -46,12 +46,21 @@ def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> 
         return int(np.argmax(logits))
     kernel = _kernel()
     if kernel is not None and logits.dtype == np.float32 and logits.flags.c_contiguous:
-        code = kernel(logits.ctypes.data, len(logits), p.temperature, p.top_k, p.top_p, rng.random())
-        if code < 0:
-            raise ValueError("nothing to draw: every logit is -inf")
-        return int(code)
+        code = int(kernel(logits.ctypes.data, len(logits), p.temperature, p.top_k, p.top_p, rng.random()))
+    else:
+        code = _draw(logits, p, rng)
+    if code < 0:
+        raise ValueError("nothing to draw: every logit is -inf")
+    return code
+
+
+def _draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> int:
+    """`warp_and_draw` in numpy: `rng.choice`'s own steps on the warped scores in place; -1
+    where every logit is -inf (as the kernel returns)."""
     scores = logits.astype(np.float64)
     scores /= p.temperature
+    if not scores.max() > -np.inf:
+        return -1
     if 0 < p.top_k < len(scores):
         kth = np.partition(scores, -p.top_k)[-p.top_k]
         scores[scores < kth] = -np.inf
@@ -61,7 +70,7 @@ def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> 
         drop = np.cumsum(probs) <= 1.0 - p.top_p
         drop[-1] = False
         scores[order[drop]] = -np.inf
-    cdf = np.cumsum(_softmax(scores, out=scores), out=scores)  # choice's own steps
+    cdf = np.cumsum(_softmax(scores, out=scores), out=scores)
     cdf /= cdf[-1]
     return int(cdf.searchsorted(rng.random(), side="right"))
 
