@@ -56,6 +56,14 @@ static void softmax(const entry *e, int64_t m, double *p) {
     for (int64_t i = 0; i < m; i++) p[i] /= sum;
 }
 
+/* The entries of s[0..n) at or above kth and above -inf, in index order, into kept; their count. */
+static int64_t gather(const double *s, int64_t n, double kth, entry *kept) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (s[i] >= kth && s[i] > -INFINITY) kept[m++] = (entry){s[i], i};
+    return m;
+}
+
 /* The index drawn from logits[0..n) for the uniform u in [0, 1): temperature, then the top_k
    best (0 or n: all; ties at the k-th score kept), then the fewest best whose probabilities
    reach top_p (1: all; the worst dropped while those dropped stay <= 1 - top_p), then the
@@ -65,12 +73,11 @@ int64_t kz_sampler_draw(const float *logits, int64_t n, double temperature, int6
                         double u) {
     double *s = malloc(2 * (size_t)n * sizeof(double)), *p = s + n;
     entry *kept = malloc((size_t)n * sizeof(entry));
-    int64_t drawn = -1, m = 0;
+    int64_t drawn = -1;
     if (s == NULL || kept == NULL) abort(); /* as ggml does when memory runs out */
     for (int64_t i = 0; i < n; i++) s[i] = (double)logits[i] / temperature;
     const double kth = 0 < top_k && top_k < n ? kth_largest(s, n, top_k, p) : -INFINITY;
-    for (int64_t i = 0; i < n; i++)
-        if (s[i] >= kth && s[i] > -INFINITY) kept[m++] = (entry){s[i], i};
+    int64_t m = gather(s, n, kth, kept);
     if (m == 0) goto done;
     if (top_p < 1.0) {
         qsort(kept, (size_t)m, sizeof(entry), ascending);
@@ -78,9 +85,7 @@ int64_t kz_sampler_draw(const float *logits, int64_t n, double temperature, int6
         int64_t dropped = 0;
         for (double below = p[0]; dropped < m - 1 && below <= 1.0 - top_p; below += p[++dropped]) {}
         for (int64_t i = 0; i < dropped; i++) s[kept[i].index] = -INFINITY;
-        m = 0;
-        for (int64_t i = 0; i < n; i++) /* the rest, in index order again */
-            if (s[i] >= kth && s[i] > -INFINITY) kept[m++] = (entry){s[i], i};
+        m = gather(s, n, kth, kept); /* the rest, in index order again */
     }
     softmax(kept, m, p);
     for (int64_t i = 1; i < m; i++) p[i] += p[i - 1];
