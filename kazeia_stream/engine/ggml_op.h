@@ -44,6 +44,9 @@ struct claims {
     uint64_t shares[MAX_SHARES];   /* 0 until a thread begins it; then BEGUN | back << 32 | front */
 };
 
+/* The shares of an operation run on nth threads: one each, up to MAX_SHARES. */
+static inline int shares_of(int nth) { return nth < MAX_SHARES ? nth : MAX_SHARES; }
+
 /* A chunk of share s of n (of chunks in all), from its front (`own`) or its back; 0 if it
    has none left. The first thread to touch a share begins it: every thread of a run knows
    the same bounds. */
@@ -70,7 +73,7 @@ static inline int take(uint64_t *share, int s, int n, int chunks, int own, int64
 /* The next chunk of weight rows for thread ith of nth, [*first, *last) of m; 0 once none is
    left: its own share's, then the others'. */
 static inline int claim(struct claims *claims, int64_t m, int ith, int nth, int64_t *first, int64_t *last) {
-    const int chunks = (int)((m + CHUNK_ROWS - 1) / CHUNK_ROWS), n = nth < MAX_SHARES ? nth : MAX_SHARES;
+    const int chunks = (int)((m + CHUNK_ROWS - 1) / CHUNK_ROWS), n = shares_of(nth);
     int64_t chunk;
     for (int i = 0; i < n; i++) {
         const int s = (ith + i) % n;
@@ -86,7 +89,7 @@ static inline int claim(struct claims *claims, int64_t m, int ith, int nth, int6
 /* This thread found no chunk left (after `claim` returned 0). */
 static inline void claimed(struct claims *claims, int nth) {
     if (__atomic_fetch_add(&claims->done, 1, __ATOMIC_ACQ_REL) == nth - 1) {
-        for (int s = 0; s < nth && s < MAX_SHARES; s++) __atomic_store_n(&claims->shares[s], 0, __ATOMIC_RELAXED);
+        for (int s = 0; s < shares_of(nth); s++) __atomic_store_n(&claims->shares[s], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&claims->done, 0, __ATOMIC_RELEASE);
     }
 }
