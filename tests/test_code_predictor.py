@@ -9,8 +9,11 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 import kazeia_stream
+from kazeia_stream.engine import code_step
 from kazeia_stream.engine.code_predictor import CodePredictor
+from kazeia_stream.engine.sampler import CodeSampler
 from kazeia_stream.model import gguf_layout as L
+from kazeia_stream.model.config import Sampling
 from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -181,3 +184,59 @@ def test_f16_ffn_down_input_beyond_f16_range_stays_finite(tiny_gguf, monkeypatch
     assert np.isfinite(exact).all() and np.isfinite(compact).all()
     assert not np.isfinite(unscaled).all()  # the overflow the scaling avoids
     assert np.abs(compact - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+@pytest.fixture
+def c_steps():
+    if code_step.kernel() is None:
+        pytest.skip("the code step's kernel was not built")
+
+
+@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
+def test_the_steps_in_c_give_the_python_steps_codes_and_inputs(tiny_gguf, out_type, c_steps, monkeypatch):
+    """Steps 2..15 in one C call each (`code_step`) give the codes and the talker's next inputs
+    of the Python steps bit for bit: one stream and three, sampling (top-p or not) and greedy,
+    tables of each type the kernel reads (voice_design: an input projection, a width that is
+    not the code predictor's)."""
+    model = kazeia_stream.load_model(tiny_gguf("voice_design", out_type)[0])
+    cp = CodePredictor(model.mmproj_file, model.config.code_predictor, 2, max_streams=3)
+    ref = np.load(REFS / "talker_voice_design.npz")
+    hidden, code0 = ref["talker_hidden"], ref["codes"][:, 0]
+    settings = [Sampling(True, 0.9, 50, 1.0), Sampling(True, 1.5, 0, 0.8), Sampling(False)]
+    steps = []
+    run_step = code_step.CodeSteps.__call__
+
+    def counted(self, *args):
+        steps.append(len(self.codes))
+        run_step(self, *args)
+
+    def frames():
+        out = []
+        for params in settings:
+            for first, n in ((0, 1), (1, 3)):
+                samplers = [CodeSampler(params, np.random.default_rng(first + s)) for s in range(n)]
+                out.append(cp.predict_many(hidden[first : first + n], code0[first : first + n], samplers))
+        return out
+
+    monkeypatch.setattr(code_step.CodeSteps, "__call__", counted)
+    native = frames()
+    # every step after the first in C; three streams' once the way their products run is
+    # chosen (at F32, after `forward_many` timed both)
+    assert steps.count(1) == 14 * len(settings) and steps.count(3) > 0
+    monkeypatch.setattr(code_step, "kernel", lambda: None)
+    count = len(steps)
+    python = frames()
+    cp.close()
+    assert len(steps) == count
+    for (codes, inputs), (want_codes, want_inputs) in zip(native, python):
+        np.testing.assert_array_equal(codes, want_codes)
+        np.testing.assert_array_equal(inputs, want_inputs)
+    assert len({c.tobytes() for c, _ in native}) == len(native)  # the settings draw differently
+
+
+def test_the_c_steps_read_every_f16_as_numpy_does(c_steps):
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)  # subnormals, infinities, NaNs
+    out = np.empty(len(halves), np.float32)
+    read = code_step.kernel().kz_code_step_row
+    assert read(halves.ctypes.data, int(QType.F16), len(halves), 0, out.ctypes.data)
+    np.testing.assert_array_equal(out.view(np.uint32), halves.astype(np.float32).view(np.uint32))

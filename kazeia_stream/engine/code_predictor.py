@@ -37,8 +37,10 @@ from gguf.quants import dequantize
 from ..model import gguf_layout as L
 from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile
+from . import code_step
 from .ggml_graph import Weights, nbytes
 from .qwen3 import Part, Qwen3LM, file_weights, weight_names, weight_types
+from .sampler import CodeSampler
 from .threads import SharedCores
 
 # Positions per frame: h, C_talker(c0) and 14 codebook inputs.
@@ -162,14 +164,6 @@ class CodePredictor:
         outputs = [codebook > 1 or pos == 1 for _, _, pos in parts]
         return self.lm.forward_many(parts, "head", codebook - 1, outputs)[1]
 
-    def _first(self, seqs: range, hidden: np.ndarray, code0: Sequence[int]) -> list[Part]:
-        """Codebook 1's parts: h and C_talker(code0) at positions 0 and 1 of each stream."""
-        parts = []
-        for seq, h, c in zip(seqs, hidden, code0):
-            parts.append((seq, np.asarray(h, np.float32)[None], 0))
-            parts.append((seq, self._talker_embd.row(int(c))[None], 1))
-        return parts
-
     def predict(
         self, hidden: np.ndarray, code0: int, sample: Callable[[np.ndarray], int]
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -190,34 +184,59 @@ class CodePredictor:
         sampler each): codes [S, 16], embeddings [S, H]. Each stream has its own KV slot
         (`first_seq` onwards) and its own rows in each step's graph, so its codes do not depend
         on the others; `between(seq)` runs between two steps, and may predict other streams'
-        frames in the slots from `seq` on."""
+        frames in the slots from `seq` on. The steps after the first run in C where they can
+        (`code_step`)."""
         n = len(code0)
         if first_seq + n > self.max_streams:
             raise ValueError(f"{first_seq + n} sequences > the code predictor's {self.max_streams}")
         codes = np.empty((n, self.n_groups + 1), dtype=np.int64)
         codes[:, 0] = code0
         seqs = range(first_seq, first_seq + n)
-        parts = self._first(seqs, hidden, code0)
-        for j in range(1, self.n_groups + 1):
-            logits = self._step(j, parts)
-            for s in range(n):
-                code = int(samplers[s](logits[s]))
-                if not 0 <= code < self.vocab_size:
-                    raise ValueError(
-                        f"sampled code {code} of codebook {j} is outside 0..{self.vocab_size - 1}"
-                    )
-                codes[s, j] = code
-            parts = [(seq, self._embd.row(j - 1, int(c))[None], j + 1) for seq, c in zip(seqs, codes[:, j])]
-            if between is not None and j < self.n_groups:
+        sums = np.stack([self._talker_embd.row(int(c)) for c in code0])  # the talker's next inputs
+        logits = self._step(1, self._first(seqs, hidden, sums))
+        codes[:, 1] = [self._draw(1, sample, row) for sample, row in zip(samplers, logits)]
+        last = codes[:, 1].copy()
+        native = None
+        ours = [s for s in samplers if isinstance(s, CodeSampler)]
+        if code_step.kernel() is not None and self._embd.qtype in code_step.TYPES and len(ours) == n:
+            native = code_step.CodeSteps(ours, last, sums)
+        for j in range(2, self.n_groups + 1):
+            if between is not None:
                 between(first_seq + n)
-        return codes, np.stack([self.embed(c) for c in codes])
+            threads = self.lm.cores.threads(self.lm.threads)
+            replay = self.lm.replay(seqs, j, "head", j - 1, threads) if native else None
+            if native is not None and replay is not None:
+                native(replay, threads, self._embd.raw[j - 2], self._embd.qtype)
+            else:
+                rows = np.stack([self._embd.row(j - 2, int(c)) for c in last])
+                sums += rows
+                logits = self._step(j, [(seq, row[None], j) for seq, row in zip(seqs, rows)])
+                last[:] = [self._draw(j, sample, row) for sample, row in zip(samplers, logits)]
+            codes[:, j] = last
+        sums += np.stack([self._embd.row(self.n_groups - 1, int(c)) for c in last])
+        return codes, sums
+
+    def _first(self, seqs: range, hidden: np.ndarray, talker_rows: np.ndarray) -> list[Part]:
+        """Codebook 1's parts: h and C_talker(code0) at positions 0 and 1 of each stream."""
+        parts = []
+        for seq, h, row in zip(seqs, hidden, talker_rows):
+            parts += [(seq, np.asarray(h, np.float32)[None], 0), (seq, row[None], 1)]
+        return parts
+
+    def _draw(self, codebook: int, sample: Callable[[np.ndarray], int], logits: np.ndarray) -> int:
+        code = int(sample(logits))
+        if not 0 <= code < self.vocab_size:
+            raise ValueError(
+                f"sampled code {code} of codebook {codebook} is outside 0..{self.vocab_size - 1}"
+            )
+        return code
 
     def teacher_forced_logits(self, hidden: np.ndarray, codes: np.ndarray) -> np.ndarray:
         """[15, vocab]: codebook j's logits given codes 0..j-1 of the frame (the same steps as
         `predict`, fed the given codes)."""
         codes = np.asarray(codes)
         logits = np.empty((self.n_groups, self.vocab_size), dtype=np.float32)
-        parts = self._first(range(1), np.asarray(hidden)[None], [int(codes[0])])
+        parts = self._first(range(1), np.asarray(hidden)[None], self._talker_embd.row(int(codes[0]))[None])
         for j in range(1, self.n_groups + 1):
             logits[j - 1] = self._step(j, parts)[0]
             parts = [(0, self._embd.row(j - 1, int(codes[j]))[None], j + 1)]

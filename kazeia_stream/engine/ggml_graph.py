@@ -446,8 +446,9 @@ class Graph:
         """Whether the tensors' memory is still where `allocate` put it."""
         return self._allocator is not None and self._allocator.generation == self._generation
 
-    def compute(self, threads: int) -> None:
-        """Run the graph on `threads` threads (ggml's OpenMP pool; the GIL is released)."""
+    def plan(self, threads: int) -> GGMLCPlan:
+        """The plan of a run on `threads` threads (ggml's OpenMP pool), made at its first use,
+        with the graph's work memory."""
         if not self.placed:
             raise RuntimeError("the graph's memory has moved: build it again")
         plan = self._plans.get(threads)
@@ -457,7 +458,11 @@ class Graph:
                 self._work = np.empty(plan.work_size, np.uint8)
             self._plans[threads] = plan
         plan.work_data = self._work.ctypes.data
-        status = ggml.ggml_graph_compute(self.graph, ctypes.byref(plan))
+        return plan
+
+    def compute(self, threads: int) -> None:
+        """Run the graph on `threads` threads (the GIL is released)."""
+        status = ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan(threads)))
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed ({status})")
 

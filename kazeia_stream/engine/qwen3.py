@@ -26,7 +26,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -103,8 +103,9 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
 
 
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)
-# (slot, n, span, output) per part; head; several-column products together (`_product`)
-_Shape = tuple[tuple[tuple[int, int, int, bool], ...], str, bool]
+_Layout = tuple[tuple[int, int, int, bool], ...]  # (slot, n, span, output) per part
+# layout; head; several-column products together (`_product`)
+_Shape = tuple[_Layout, str, bool]
 
 
 @dataclass
@@ -120,6 +121,19 @@ class _Call:
     hidden: np.ndarray  # [output parts, hidden]
     logits: np.ndarray  # [output parts, head rows]
     head_index: np.ndarray | None  # [output parts] int32: which matrix of a stacked (3-D) head
+    replays: dict[tuple[tuple[int, ...], int, int], Replay] = field(default_factory=dict)  # `replay`'s
+
+
+@dataclass(eq=False)
+class Replay:
+    """A graph ready to run but for its input rows: `x` [rows, input width] to write, the
+    other inputs to copy from arrays made once (destination view, source), `logits` [rows,
+    head rows] to read after."""
+
+    graph: Graph
+    x: np.ndarray
+    logits: np.ndarray
+    inputs: list[tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -210,6 +224,50 @@ class Qwen3LM:
         [P, hidden] and logits [P, head rows] at the last row of each part whose `outputs` is
         true (every part by default). `head` names the weight applied; a 3-D one is a stack
         of heads, of which `head_index` is applied (an input: one graph serves them all)."""
+        layout = self._layout(parts, outputs)
+        total = sum(n for _, n, _, _ in layout)
+        threads = self.cores.threads(self.threads)
+        timed = total > 1 and self._shares_columns  # a call whose two ways differ
+        together = timed and self._together.pick((total, threads))
+        call = self._call((layout, head, together))
+        self._write(call, parts, head_index)
+        began = time.perf_counter()
+        call.graph.compute(threads)
+        if timed:
+            self._together.record((total, threads), together, time.perf_counter() - began)
+        return call.hidden.copy(), call.logits.copy()
+
+    def replay(
+        self, slots: Sequence[int], pos: int, head: str, head_index: int, threads: int
+    ) -> Replay | None:
+        """The graph of one row in each of `slots` at position `pos` (their spans' end), to run
+        on `threads`, with its inputs but the rows as arrays made once (each a step of a stream
+        whose positions restart: the code predictor's). None while `forward_many` still times
+        calls of its kind (`_together`): run it there."""
+        rows = [(slot, np.zeros((1, self.input_width), np.float32), pos) for slot in slots]
+        layout = self._layout(rows, None)
+        together: bool | None = False
+        if len(rows) > 1 and self._shares_columns:
+            together = self._together.chosen.get((len(rows), threads))
+        if together is None:
+            return None
+        call = self._call((layout, head, together))
+        key = (tuple(slots), pos, head_index)
+        if key not in call.replays:
+            arrays = {f: np.empty_like(getattr(call, f)) for f in ("x", "positions", "k_rows", "v_cells")}
+            masks = [np.empty_like(m) for m in call.masks]
+            index = None if call.head_index is None else np.empty_like(call.head_index)
+            shadow = replace(call, **arrays, masks=masks, head_index=index)
+            self._write(shadow, rows, head_index)
+            pairs = [(getattr(call, f), arrays[f]) for f in ("positions", "k_rows", "v_cells")]
+            pairs += list(zip(call.masks, masks))
+            if index is not None:
+                pairs.append((call.head_index, index))
+            call.replays[key] = Replay(call.graph, call.x, call.logits, pairs)
+        return call.replays[key]
+
+    def _layout(self, parts: Sequence[Part], outputs: Sequence[bool] | None) -> _Layout:
+        """(slot, n, span, output) of each part, checked."""
         outputs = [True] * len(parts) if outputs is None else list(outputs)
         layout = []
         for (slot, rows, pos), out in zip(parts, outputs):
@@ -219,11 +277,10 @@ class Qwen3LM:
             if not 0 < len(rows) <= MAX_PART or end > self.n_ctx:
                 raise RuntimeError(f"context full: {pos} + {len(rows)} positions > n_ctx {self.n_ctx}")
             layout.append((slot, len(rows), min(self.n_ctx, -(-end // self.bucket) * self.bucket), out))
-        total = sum(n for _, n, _, _ in layout)
-        threads = self.cores.threads(self.threads)
-        timed = total > 1 and self._shares_columns  # a call whose two ways differ
-        together = timed and self._together.pick((total, threads))
-        call = self._call((tuple(layout), head, together))
+        return tuple(layout)
+
+    def _write(self, call: _Call, parts: Sequence[Part], head_index: int) -> None:
+        """Write a call's inputs for its parts (their rows, positions, cache cells and masks)."""
         start = 0
         for (slot, rows, pos), mask in zip(parts, call.masks):
             n = len(rows)
@@ -238,11 +295,6 @@ class Qwen3LM:
             start += n
         if call.head_index is not None:
             call.head_index[...] = head_index
-        began = time.perf_counter()
-        call.graph.compute(threads)
-        if timed:
-            self._together.record((total, threads), together, time.perf_counter() - began)
-        return call.hidden.copy(), call.logits.copy()
 
     def release(self, slot: int, keep: int) -> None:
         """Give back the memory of slot `slot`'s cells from position `keep` on (its utterance
@@ -280,7 +332,7 @@ class Qwen3LM:
             self._graphs.popitem(last=False)[1].graph.close()
         return call
 
-    def _build(self, layout: tuple[tuple[int, int, int, bool], ...], head: str, together: bool) -> _Call:
+    def _build(self, layout: _Layout, head: str, together: bool) -> _Call:
         cfg, w = self.config, self.weights
         total = sum(n for _, n, _, _ in layout)
         per_parts = sum(
@@ -388,7 +440,7 @@ class Qwen3LM:
         assert out is not None
         return out
 
-    def _batched(self, layout: tuple[tuple[int, int, int, bool], ...]) -> bool:
+    def _batched(self, layout: _Layout) -> bool:
         """Whether a call's parts attend as one batch of operations over their slots (`_attention`):
         several parts of one row each, in slots one after another, over one span within a V
         block (a code-predictor step of several streams; talker steps of streams whose spans

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "sampler.h"
+
 typedef struct {
     double score;
     int64_t index;
