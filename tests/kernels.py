@@ -1,14 +1,17 @@
-"""What the tests of our ggml custom operations (`q8_product`, `f32_product`) share: each runs
-on every variant of its kernel that this CPU runs."""
+"""What the tests of our ggml custom operations (`q8_product`, `q4k_product`, `f32_product`)
+share: each runs on every variant of its kernel that this CPU runs."""
 
 from __future__ import annotations
 
 from functools import partial
 from types import ModuleType
 
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
 
 from kazeia_stream.engine import native
+from kazeia_stream.engine.ggml_graph import Allocator, Graph, view_of
 
 
 def on_each_variant(kernel: ModuleType):
@@ -24,3 +27,25 @@ def on_each_variant(kernel: ModuleType):
         return partial(kernel.product, variant=request.param)
 
     return mark, op
+
+
+def replays(w, shape, op, x, threads):
+    """One graph of three products of w (each its own operation), replayed once per entry of
+    `threads` on that many threads: each replay's three results."""
+    m, k = shape
+    allocator, g = Allocator(), Graph(8)
+    try:
+        columns = g.input(QType.F32, (len(x), k))
+        ys = [g.output(op(g, w, columns)) for _ in range(3)]
+        g.allocate(allocator)
+        view_of(columns, QType.F32, (len(x), k))[...] = x
+        results = []
+        for n in threads:
+            for y in ys:
+                view_of(y, QType.F32, (len(x), m))[...] = np.nan
+            g.compute(n)
+            results.append([view_of(y, QType.F32, (len(x), m)).copy() for y in ys])
+        return results
+    finally:
+        g.close()
+        allocator.close()

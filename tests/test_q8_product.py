@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
-from kernels import on_each_variant
+from kernels import on_each_variant, replays
 
 from kazeia_stream.engine import native, q8_product
 from kazeia_stream.engine.ggml_graph import (
@@ -90,28 +90,6 @@ def test_columns_of_strided_elements_are_made_contiguous_first(weight, op):
     assert np.array_equal(got, products(w, x, Allocator(), 1, op))
 
 
-def _replays(w, shape, op, x, threads):
-    """One graph of three products of w (each its own operation), replayed once per entry of
-    `threads` on that many threads: each replay's three results."""
-    m, k = shape
-    allocator, g = Allocator(), Graph(8)
-    try:
-        columns = g.input(QType.F32, (len(x), k))
-        ys = [g.output(op(g, w, columns)) for _ in range(3)]
-        g.allocate(allocator)
-        view_of(columns, QType.F32, (len(x), k))[...] = x
-        results = []
-        for n in threads:
-            for y in ys:
-                view_of(y, QType.F32, (len(x), m))[...] = np.nan
-            g.compute(n)
-            results.append([view_of(y, QType.F32, (len(x), m)).copy() for y in ys])
-        return results
-    finally:
-        g.close()
-        allocator.close()
-
-
 def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
     """The threads take the weight rows in chunks from a count of the operation's own, which
     the last thread to finish starts again for the next replay: a count left over would leave
@@ -119,7 +97,7 @@ def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
     w, shape = weight
     x = np.random.default_rng(5).standard_normal((3, shape[1]), dtype=np.float32)
     expected = products(w, x, Allocator(), 1, op)
-    for replay in _replays(w, shape, op, x, [1, 2, 2, 1, 2, 1, 1, 2]):
+    for replay in replays(w, shape, op, x, [1, 2, 2, 1, 2, 1, 1, 2]):
         for y in replay:
             assert np.array_equal(y, expected)
 
@@ -162,7 +140,7 @@ def test_graphs_replayed_at_once_in_two_threads_do_not_share_their_counts(weight
     x = np.random.default_rng(6).standard_normal((2, shape[1]), dtype=np.float32)
     expected = products(w, x, Allocator(), 1, op)
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda n: _replays(w, shape, op, x, [n] * 200), [1, 2]))
+        runs = list(pool.map(lambda n: replays(w, shape, op, x, [n] * 200), [1, 2]))
     for run in runs:
         for replay in run:
             for y in replay:

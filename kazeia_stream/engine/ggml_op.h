@@ -1,6 +1,8 @@
-/* What our C kernels share: the INLINE macro; for our ggml custom operation (q8_product.c),
-   the leading fields of ggml's tensor, the claims by which ggml's threads take an operation's
-   weight rows, and the sum of a float32 vector's lanes on AVX2. */
+/* What our C kernels share: the INLINE macro; for our ggml custom operations of quantized
+   weights times float32 rows (q8_product.c, q4k_product.c), the leading fields of ggml's
+   tensor, the claims by which ggml's threads take an operation's weight rows, the loop that
+   quantizes x and passes its rows over tiles of weight rows, and the sum of a float32 vector's
+   lanes on AVX2. */
 
 #ifndef KZ_GGML_OP_H
 #define KZ_GGML_OP_H
@@ -8,6 +10,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -27,6 +30,8 @@ struct tensor {
 };
 
 #define CHUNK_ROWS 64  /* weight rows a thread claims at a time */
+#define ROWS 4         /* rows of x per pass over a weight row (registers) */
+#define TILE_ROWS 16   /* weight rows per tile: they stay in L1 while every row of x passes */
 #define MAX_SHARES 64  /* threads with a share of their own; any more only take others' */
 #define BEGUN (1ull << 63)
 
@@ -92,6 +97,79 @@ static inline void claimed(struct claims *claims, int nth) {
         for (int s = 0; s < shares_of(nth); s++) __atomic_store_n(&claims->shares[s], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&claims->done, 0, __ATOMIC_RELEASE);
     }
+}
+
+/* How a variant lays out a row of x once quantized, per group of weight blocks (a row whose
+   block count is no multiple of the group's takes the room of one more): blocks, bytes of int8
+   (and whatever else the variant keeps there) and floats of scales. */
+struct layout {
+    int blocks, bytes, floats;
+};
+
+/* dst[r][row] for weight rows [r0, r1) (nb blocks each) and rows r of x in [0, n), n <= ROWS:
+   x's rows of q_row bytes and d_row scales, as the variant's layout. */
+typedef void tile_fn(const void *w, int64_t nb, size_t q_row, size_t d_row, int n, const int8_t *q,
+                     const float *d, float *dst, size_t dst_row, int64_t r0, int64_t r1);
+
+/* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
+#define TILE(target, name, rows)                                                                \
+    target static void name(const void *w, int64_t nb, size_t q_row, size_t d_row, int n,       \
+                            const int8_t *q, const float *d, float *dst, size_t dst_row,        \
+                            int64_t r0, int64_t r1) {                                           \
+        switch (n) {                                                                            \
+        case 1: rows(w, nb, q_row, d_row, 1, q, d, dst, dst_row, r0, r1); break;                \
+        case 2: rows(w, nb, q_row, d_row, 2, q, d, dst, dst_row, r0, r1); break;                \
+        case 3: rows(w, nb, q_row, d_row, 3, q, d, dst, dst_row, r0, r1); break;                \
+        default: rows(w, nb, q_row, d_row, ROWS, q, d, dst, dst_row, r0, r1); break;            \
+        }                                                                                       \
+    }
+
+/* The matrix of a stack (w->ne[2] of them) that column r of x takes: ids, int32 [n], or the
+   first where there are none. Out of range is a bug of the caller's: abort, as ggml does. */
+static inline int64_t matrix_of(const struct tensor *w, const struct tensor *ids, int64_t r) {
+    if (ids == NULL) return 0;
+    const int64_t id = ((const int32_t *)ids->data)[r];
+    if (id < 0 || id >= w->ne[2]) abort();
+    return id;
+}
+
+/* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
+   weights (a matrix, or a stack of them, in blocks of block_k values), src[1] x, src[2] (where
+   w is a stack) the matrix each column takes; on one variant's quantizer, layout and tiles.
+   Columns that take the same matrix one after another pass its rows together, up to ROWS at a
+   time. */
+static inline void product(struct tensor *dst, int ith, int nth, struct claims *claims, int64_t block_k,
+                           void (*quantize)(const float *, int64_t, int8_t *, float *),
+                           const struct layout *layout, tile_fn *tile) {
+    const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
+    const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / block_k;
+    const size_t groups = (size_t)((nb + layout->blocks - 1) / layout->blocks);
+    const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
+    int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
+    float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
+    if (q == NULL || d == NULL) abort(); /* as ggml does when memory runs out */
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = (const float *)((const char *)x->data + r * x->nb[1]);
+        quantize(row, k, q + r * q_row, d + r * d_row);
+    }
+    const size_t dst_row = dst->nb[1] / sizeof(float);
+    for (int64_t first, last; claim(claims, m, ith, nth, &first, &last);) {
+        for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
+            int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
+            for (int64_t r = 0, count; r < n; r += count) {
+                const int64_t matrix = matrix_of(w, ids, r);
+                for (count = 1; count < ROWS && r + count < n; count++)
+                    if (matrix_of(w, ids, r + count) != matrix) break;
+                const char *weights = (const char *)w->data + matrix * w->nb[2];
+                float *out = (float *)dst->data + r * dst_row;
+                tile(weights, nb, q_row, d_row, (int)count, q + r * q_row, d + r * d_row, out,
+                     dst_row, r0, r1);
+            }
+        }
+    }
+    claimed(claims, nth);
+    free(q);
+    free(d);
 }
 
 /* The sum of v's eight lanes, in one order. */

@@ -12,8 +12,6 @@
    share of its own first (`claim`, ggml_op.h), and read each from memory once, in tiles of 16
    rows that stay in the cache while every row of x passes (four at a time). */
 
-#include <stdlib.h>
-
 #include "ggml_op.h"
 
 typedef struct {
@@ -21,8 +19,6 @@ typedef struct {
     int8_t qs[32];
 } __attribute__((packed)) block_q8_0;
 
-#define ROWS 4         /* rows of x per pass over a weight row (registers) */
-#define TILE_ROWS 16   /* weight rows per tile: they stay in L1 while every row of x passes */
 #define PREFETCH 8192  /* bytes ahead in the weights: one core reads at memory speed */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -47,13 +43,6 @@ __attribute__((target("f16c"))) static inline float scale(float amax, float *d) 
     *d = _cvtsh_ss(_cvtss_sh(amax / 127.0f, 0));
     return amax != 0.0f ? 127.0f / amax : 0.0f;
 }
-
-/* How a variant lays out a row of x once quantized, per group of blocks (a row whose block
-   count is no multiple of the group's takes the room of one more): blocks, bytes of int8 and
-   floats of scales. */
-struct layout {
-    int blocks, bytes, floats;
-};
 
 /* AVX512-VNNI: groups of eight blocks, their 256 int8 + 128 in order, and their scales as the
    lanes of a group's int32 sums come out of rows512 (octet512): 128-bit lanes 0 and 1 hold
@@ -124,25 +113,6 @@ AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
         _mm256_storeu_ps(d + p * 8, _mm256_setr_ps(d0, d0, d1, d1, d0, d0, d1, d1));
     }
 }
-
-/* dst[r][row] for weight rows [r0, r1) and rows r of x in [0, n), n <= ROWS: x's rows of
-   q_row int8 and d_row scales, as the variant's layout. */
-typedef void tile_fn(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n,
-                     const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
-                     int64_t r1);
-
-/* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
-#define TILE(target, name, rows)                                                                \
-    target static void name(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, int n, \
-                            const int8_t *q, const float *d, float *dst, size_t dst_row,        \
-                            int64_t r0, int64_t r1) {                                           \
-        switch (n) {                                                                            \
-        case 1: rows(w, nb, q_row, d_row, 1, q, d, dst, dst_row, r0, r1); break;                \
-        case 2: rows(w, nb, q_row, d_row, 2, q, d, dst, dst_row, r0, r1); break;                \
-        case 3: rows(w, nb, q_row, d_row, 3, q, d, dst, dst_row, r0, r1); break;                \
-        default: rows(w, nb, q_row, d_row, ROWS, q, d, dst, dst_row, r0, r1); break;            \
-        }                                                                                       \
-    }
 
 /* The int32 sums of a group of eight weight blocks (wq[i]: blocks 2 i and 2 i + 1) with one row
    of x, each dot product starting from start[i] (-128 times the sums of w's four int8, as x
@@ -265,61 +235,13 @@ AVX2 INLINE void rows256(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d
 
 TILE(AVX2, tile256, rows256)
 
-/* The matrix of a stack (w->ne[2] of them) that column r of x takes: ids, int32 [n], or the
-   first where there are none. Out of range is a bug of the caller's: abort, as ggml does. */
-static inline int64_t matrix_of(const struct tensor *w, const struct tensor *ids, int64_t r) {
-    if (ids == NULL) return 0;
-    const int64_t id = ((const int32_t *)ids->data)[r];
-    if (id < 0 || id >= w->ne[2]) abort();
-    return id;
-}
-
-/* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
-   weights (a matrix, or a stack of them), src[1] x, src[2] (where w is a stack) the matrix
-   each column takes; on one variant's quantizer, layout and tiles. Columns that take the same
-   matrix one after another pass its rows together, up to ROWS at a time. */
-static void product(struct tensor *dst, int ith, int nth, struct claims *claims,
-                    void (*quantize)(const float *, int64_t, int8_t *, float *),
-                    const struct layout *layout, tile_fn *tile) {
-    const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
-    const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / 32;
-    const size_t groups = (size_t)((nb + layout->blocks - 1) / layout->blocks);
-    const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
-    int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
-    float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
-    if (q == NULL || d == NULL) abort(); /* as ggml does when memory runs out */
-    for (int64_t r = 0; r < n; r++) {
-        const float *row = (const float *)((const char *)x->data + r * x->nb[1]);
-        quantize(row, k, q + r * q_row, d + r * d_row);
-    }
-    const size_t dst_row = dst->nb[1] / sizeof(float);
-    for (int64_t first, last; claim(claims, m, ith, nth, &first, &last);) {
-        for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
-            int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
-            for (int64_t r = 0, count; r < n; r += count) {
-                const int64_t matrix = matrix_of(w, ids, r);
-                for (count = 1; count < ROWS && r + count < n; count++)
-                    if (matrix_of(w, ids, r + count) != matrix) break;
-                const block_q8_0 *weights =
-                    (const block_q8_0 *)((const char *)w->data + matrix * w->nb[2]);
-                float *out = (float *)dst->data + r * dst_row;
-                tile(weights, nb, q_row, d_row, (int)count, q + r * q_row, d + r * d_row, out,
-                     dst_row, r0, r1);
-            }
-        }
-    }
-    claimed(claims, nth);
-    free(q);
-    free(d);
-}
-
 /* The bytes of `struct claims`, which the caller allocates (ggml_graph.py's `_Claims`). */
 size_t kz_q8_product_claims_size(void) { return sizeof(struct claims); }
 
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, quantize512, &layout512, tile512);
+    product(dst, ith, nth, claims, 32, quantize512, &layout512, tile512);
 }
 
 void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, quantize256, &layout256, tile256);
+    product(dst, ith, nth, claims, 32, quantize256, &layout256, tile256);
 }

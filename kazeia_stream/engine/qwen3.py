@@ -36,7 +36,7 @@ from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
-from . import q8_product
+from . import q4k_product, q8_product
 from .faster import Faster
 from .ggml_graph import (
     Allocator,
@@ -49,6 +49,7 @@ from .ggml_graph import (
     strides,
     view_of,
 )
+from .quantized_product import Kernel
 from .threads import SharedCores
 
 # the weights of layer `bid` are named f"{bid}.{role}" (the roles of config.layer_shapes); then
@@ -100,6 +101,11 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.F16:
         return values.astype(np.float16)
     return quantize(values, qtype)
+
+
+def _kernel(w: Tensor) -> Kernel | None:
+    """Our kernel that multiplies weight `w` (`q8_product`, `q4k_product`), if one does."""
+    return next((k for k in (q8_product.KERNEL, q4k_product.KERNEL) if k.takes(w)), None)
 
 
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)
@@ -310,10 +316,10 @@ class Qwen3LM:
     @cached_property
     def _shares_columns(self) -> bool:
         """Whether some product can give several rows one kernel call (`columns_agree`) or
-        not: only then do the two ways that `_together` times differ (our Q8_0 kernel takes
-        every row at once, `q8_product`)."""
+        not: only then do the two ways that `_together` times differ (our kernels take every
+        row at once, `_kernel`)."""
         return any(
-            not q8_product.takes(w) and columns_agree(w)  # the kernel's: no probe needed
+            _kernel(w) is None and columns_agree(w)  # a kernel's: no probe needed
             for w in self.weights.tensors.values()
             if dims(w)[1] > 1
         )
@@ -390,8 +396,9 @@ class Qwen3LM:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
-        A Q8_0 matrix, or stack (the code predictor's heads), multiplies every column at once
-        on our kernel, where it runs (`q8_product`). Else, where ggml's several-column kernel
+        A Q8_0 or Q4_K matrix, or a stack (the code predictor's heads), multiplies every
+        column at once on our kernel of its type, where it runs (`q8_product`, `q4k_product`).
+        Else, where ggml's several-column kernel
         gives each column its one-column numbers (`columns_agree`: Q8_0 here), the columns
         are multiplied `together` by it, or the first alone and the others together,
         whichever runs faster on this CPU (`Faster`): on a Zen 5 the several-column kernel
@@ -401,8 +408,9 @@ class Qwen3LM:
         together was faster (130-143 against 178-182 ms). Else each part is multiplied alone,
         as it would be without the others."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
-        if q8_product.takes(w):  # all rows at once: each row's numbers its own
-            return q8_product.product(g, w, x, ids=index)
+        kernel = _kernel(w)
+        if kernel is not None:  # all rows at once: each row's numbers its own
+            return kernel.product(g, w, x, ids=index)
         if index is not None:
             x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
         if rows > 1 and columns_agree(w):

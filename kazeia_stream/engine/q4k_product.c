@@ -1,0 +1,227 @@
+/* Q4_K weights times float32 rows, as a ggml custom operation (see q4k_product.py for why).
+
+   dst [m, n] = w [m, k] (Q4_K: super-blocks of 256, an fp16 scale and min, eight 6-bit scales
+   and mins of 32 values each, 4-bit values) @ x [k, n] (float32 rows), the rows of x quantized
+   as ggml's Q8_K (per 256: int8, the signed largest to -127), so each block's product is
+   d_x d_w sum_j sc_j (w_j . x_j) - d_x dmin_w sum_j m_j sum(x_j) in integers but for the two
+   scales. AVX2: a register of 32 bytes of values gives the 4-bit values of two sub-blocks (low
+   and high nibbles), each multiplied with x's int8 (u8 x s8 pairs, int16) and summed in pairs
+   by its sub-block's scale (int16 x int16, int32), so that one conversion and one fmadd scale a
+   block. A row of dst is summed in one order whatever n is (a sequence's numbers do not depend
+   on the rows beside it), within float rounding of ggml's. Threads claim chunks of weight
+   rows and pass x's rows over tiles of them as q8_product.c's do (ggml_op.h). */
+
+#include <string.h>
+
+#include "ggml_op.h"
+
+#define QK_K 256
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[QK_K / 2];
+} block_q4_K;
+
+#define PREFETCH 8192 /* bytes ahead in the weights */
+#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* The variant this CPU runs: 2 AVX512-VNNI, 1 AVX2, 0 neither. */
+int kz_q4k_product_level(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c"))
+        return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512vnni")
+               ? 2
+               : 1;
+}
+
+/* ggml's nearest_int: to the nearest, ties to even, for |v| < 2^22. */
+static inline int nearest(float v) {
+    float f = v + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &f, sizeof i);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* A row of x per block of 256: its int8 (as ggml's quantize_row_q8_K_ref), then the int16
+   sums of its eight sub-blocks of 32; its scale in d. */
+static const struct layout layout_q8k = {1, QK_K + 16, 1};
+
+/* x's int8 of a block from `from` into `to`, sub-blocks in the order rows512 reads them. */
+static void reorder512(const int8_t *from, int8_t *to) {
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int i = 0; i < 8; i++) memcpy(to + 32 * i, from + 32 * order[i], 32);
+}
+
+static void quantize_q8k(const float *x, int64_t k, int8_t *q, float *d) {
+    for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
+        int8_t *qs = q + b * (QK_K + 16);
+        int16_t sums[8] = {0};
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < QK_K; j++) {
+            const float ax = x[j] < 0 ? -x[j] : x[j];
+            if (ax > amax) {
+                amax = ax;
+                max = x[j];
+            }
+        }
+        if (amax == 0.0f) {
+            memset(qs, 0, QK_K);
+            d[b] = 0.0f;
+        } else {
+            const float iscale = -127.0f / max;
+            for (int j = 0; j < QK_K; j++) {
+                const int v = nearest(iscale * x[j]);
+                qs[j] = (int8_t)(v < 127 ? v : 127);
+                sums[j / 32] += qs[j];
+            }
+            d[b] = 1.0f / iscale;
+        }
+        memcpy(qs + QK_K, sums, sizeof sums);
+    }
+}
+
+/* quantize_q8k, each block's int8 in rows512's order. */
+static void quantize_q8k512(const float *x, int64_t k, int8_t *q, float *d) {
+    quantize_q8k(x, k, q, d);
+    for (int64_t b = 0; b < k / QK_K; b++) {
+        int8_t block[QK_K];
+        memcpy(block, q + b * (QK_K + 16), QK_K);
+        reorder512(block, q + b * (QK_K + 16));
+    }
+}
+
+/* A block's eight 6-bit scales (bytes 0-7) and mins (8-15) from its 12 packed bytes (and the
+   4 after them, unused): scale j < 4 is byte j's low 6 bits, min j < 4 byte j + 4's; scale
+   j >= 4 is byte j + 4's low 4 bits with byte j - 4's top 2 above them, min j >= 4 byte j + 4's
+   high 4 bits with byte j's top 2 (ggml's get_scale_min_k4). */
+AVX2 INLINE __m128i scales_mins(const uint8_t *packed) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)packed);
+    const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i masks = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    const __m128i nibbles = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi8(15)); /* for mins 4-7 */
+    const __m128i bits = _mm_blend_epi32(_mm_and_si128(low, masks), nibbles, 8);
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    return _mm_or_si128(bits, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xc0)), 2));
+}
+
+AVX2 INLINE void rows256(const block_q4_K *w, int64_t nb, size_t q_row, size_t d_row, const int n,
+                          const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
+                          int64_t r1) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t row = r0; row < r1; row++) {
+        const block_q4_K *wr = w + row * nb;
+        __m256 acc[ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const block_q4_K *blk = wr + b;
+            _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PREFETCH + 128, _MM_HINT_T0);
+            const __m256i both = _mm256_cvtepu8_epi16(scales_mins(blk->scales)); /* int16 */
+            const __m128i mins = _mm256_extracti128_si256(both, 1);
+            const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(both));
+            __m256i sc[8], lo[4], hi[4];
+            for (int j = 0; j < 8; j++) /* scale j in every int16 lane */
+                sc[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * j | (2 * j + 1) << 8)));
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * j));
+                lo[j] = _mm256_and_si256(v, low);
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            const float dw = _cvtsh_ss(blk->d), mw = _cvtsh_ss(blk->dmin);
+            for (int r = 0; r < n; r++) {
+                const int8_t *xq = q + r * q_row + b * (QK_K + 16);
+                __m256i sums = _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++) {
+                    const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(xq + 64 * j)));
+                    const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32)));
+                    sums = _mm256_add_epi32(sums, _mm256_add_epi32(_mm256_madd_epi16(pl, sc[2 * j]),
+                                                                   _mm256_madd_epi16(ph, sc[2 * j + 1])));
+                }
+                const __m128i xsums = _mm_loadu_si128((const __m128i *)(xq + QK_K));
+                const __m256i msums = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xsums));
+                const float dx = d[r * d_row + b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dx * dw), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msums), _mm256_set1_ps(dx * mw), acc[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) dst[r * dst_row + row] = sum256(acc[r]);
+    }
+}
+
+TILE(AVX2, tile256, rows256)
+
+/* AVX512-VNNI: x's sub-blocks laid out 0, 2, 1, 3, 4, 6, 5, 7 (quantize_q8k512), so that the
+   low nibbles of 64 bytes of values (sub-blocks 4 h and 4 h + 2) and their high nibbles (4 h + 1
+   and 4 h + 3) each meet 64 contiguous int8 of x; u8 x s8 pairs (int16), then pairs of those
+   times their sub-block's scale added into the block's int32 sums (vpdpwssd). */
+AVX512 INLINE void rows512(const block_q4_K *w, int64_t nb, size_t q_row, size_t d_row, const int n,
+                           const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
+                           int64_t r1) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i pick[4]; /* byte shuffles: scale a in the int16 lanes of 128-bit lanes 0-1, b in 2-3 */
+    static const int order[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int i = 0; i < 4; i++) {
+        const __m256i pa = _mm256_set1_epi16((short)(order[i][0] | 0x8000));
+        const __m256i pb = _mm256_set1_epi16((short)(order[i][1] | 0x8000));
+        pick[i] = _mm512_inserti64x4(_mm512_castsi256_si512(pa), pb, 1);
+    }
+    const __m128i widen_mins = _mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
+    for (int64_t row = r0; row < r1; row++) {
+        const block_q4_K *wr = w + row * nb;
+        __m512 acc[ROWS];
+        __m256 accm[ROWS];
+        for (int r = 0; r < n; r++) {
+            acc[r] = _mm512_setzero_ps();
+            accm[r] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const block_q4_K *blk = wr + b;
+            _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PREFETCH + 128, _MM_HINT_T0);
+            const __m128i bytes = scales_mins(blk->scales);
+            const __m128i mins = _mm_shuffle_epi8(bytes, widen_mins); /* int16 */
+            const __m512i scales = _mm512_broadcast_i32x4(bytes);
+            __m512i sc[4], v[4];
+            for (int i = 0; i < 4; i++) sc[i] = _mm512_shuffle_epi8(scales, pick[i]);
+            for (int h = 0; h < 2; h++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(blk->qs + 64 * h));
+                v[2 * h] = _mm512_and_si512(raw, low);
+                v[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+            const float dw = _cvtsh_ss(blk->d), mw = _cvtsh_ss(blk->dmin);
+            for (int r = 0; r < n; r++) {
+                const int8_t *xq = q + r * q_row + b * (QK_K + 16);
+                __m512i sums = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++) {
+                    const __m512i p = _mm512_maddubs_epi16(v[i], _mm512_loadu_si512((const void *)(xq + 64 * i)));
+                    sums = _mm512_dpwssd_epi32(sums, p, sc[i]);
+                }
+                const __m128i xsums = _mm_loadu_si128((const __m128i *)(xq + QK_K));
+                const __m256i msums = _mm256_zextsi128_si256(_mm_madd_epi16(mins, xsums));
+                const float dx = d[r * d_row + b];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(dx * dw), acc[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msums), _mm256_set1_ps(dx * mw), accm[r]);
+            }
+        }
+        for (int r = 0; r < n; r++)
+            dst[r * dst_row + row] = _mm512_reduce_add_ps(acc[r]) - sum256(accm[r]);
+    }
+}
+
+TILE(AVX512, tile512, rows512)
+
+void kz_q4k_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q8k512, &layout_q8k, tile512);
+}
+
+void kz_q4k_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q8k, &layout_q8k, tile256);
+}
