@@ -153,11 +153,11 @@ def q8_kernel(monkeypatch: pytest.MonkeyPatch):
 
     def use(value: str) -> None:
         monkeypatch.setenv(q8_product.ENV, value)
-        q8_product.chosen.cache_clear()
+        q8_product.KERNEL.chosen.cache_clear()
 
     yield use
     monkeypatch.delenv(q8_product.ENV, raising=False)
-    q8_product.chosen.cache_clear()
+    q8_product.KERNEL.chosen.cache_clear()
 
 
 @pytest.fixture

@@ -1,10 +1,9 @@
-"""What the tests of our ggml custom operations (`q8_product`, `q4k_product`, `f32_product`)
-share: each runs on every variant of its kernel that this CPU runs."""
+"""What the tests of our ggml custom operations (`q8_product`, `q4k_product`) share: each runs
+on every variant of its kernel that this CPU runs, and replays graphs of its products."""
 
 from __future__ import annotations
 
 from functools import partial
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -14,17 +13,22 @@ from kazeia_stream.engine import native
 from kazeia_stream.engine.ggml_graph import Allocator, Graph, view_of
 
 
-def on_each_variant(kernel: ModuleType):
+def on_variant(kernel, variant: str):
+    """`kernel.product` (a `quantized_product.Kernel`'s) on `variant`; the test is skipped
+    where the CPU does not run it."""
+    if variant not in kernel.variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    return partial(kernel.product, variant=variant)
+
+
+def on_each_variant(kernel):
     """The mark that skips a test module where `kernel` was not built or the CPU lacks AVX2,
-    and the `op` fixture: `kernel.product` on each variant (skipped where the CPU does not run
-    it)."""
+    and the `op` fixture: `on_variant` for each variant."""
     mark = pytest.mark.skipif(not kernel.variants(), reason="the kernel is not built, or this CPU lacks AVX2")
 
     @pytest.fixture(params=native.VARIANTS)
     def op(request):
-        if request.param not in kernel.variants():
-            pytest.skip(f"this CPU does not run the {request.param} variant")
-        return partial(kernel.product, variant=request.param)
+        return on_variant(kernel, request.param)
 
     return mark, op
 

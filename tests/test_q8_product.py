@@ -1,11 +1,12 @@
-"""Our Q8_0 product kernel (each variant this CPU runs) against ggml's, and what the engines
-need of it: a row's numbers whatever rows come with it, on any thread count."""
+"""What only our Q8_0 product kernel has (each variant this CPU runs): strided columns, its
+claims of weight rows, stacks of matrices, a file's weights; what it shares with the Q4_K
+kernel (ggml's products to float rounding, a row's numbers whatever rows come with it) is
+tested in test_quantized_products.py."""
 
 from __future__ import annotations
 
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from kazeia_stream.engine.ggml_graph import (
     view_of,
 )
 
-pytestmark, op = on_each_variant(q8_product)
+pytestmark, op = on_each_variant(q8_product.KERNEL)
 
 
 @pytest.fixture(scope="module", params=[(200, 96), (64, 1024), (40, 352)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -39,37 +40,6 @@ def weight(request):
     tensor = ArrayTensor(data, QType.Q8_0, (m, k))
     yield tensor.tensor, (m, k)
     tensor.close()
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_kernel_gives_ggml_s_products_to_float_rounding(weight, op, threads):
-    w, shape = weight
-    x = np.random.default_rng(1).standard_normal((9, shape[1]), dtype=np.float32)
-    ours, ggml = (products(w, x, Allocator(), threads, kernel) for kernel in (op, None))
-    assert ours.shape == ggml.shape == (9, shape[0])
-    assert np.abs(ours - ggml).max() <= 1e-6 * np.abs(ggml).max()
-    assert not np.array_equal(ours, np.zeros_like(ours))
-
-
-def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weight, op):
-    w, shape = weight
-    x = np.random.default_rng(2).standard_normal((9, shape[1]), dtype=np.float32)
-    alone = np.concatenate([products(w, x[i : i + 1], Allocator(), 1, op) for i in range(len(x))])
-    for count in (2, 4, 5, 9):
-        for threads in (1, 2):
-            assert np.array_equal(products(w, x[:count], Allocator(), threads, op), alone[:count])
-
-
-def test_the_variants_differ_by_float_rounding_only(weight):
-    """Both quantize the rows alike; only the order of the float sums differs."""
-    if len(q8_product.variants()) < 2:
-        pytest.skip("this CPU runs one variant")
-    w, shape = weight
-    x = np.random.default_rng(4).standard_normal((5, shape[1]), dtype=np.float32)
-    a, b = (
-        products(w, x, Allocator(), 1, partial(q8_product.product, variant=v)) for v in q8_product.variants()
-    )
-    assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
 
 
 def test_columns_of_strided_elements_are_made_contiguous_first(weight, op):
@@ -88,18 +58,6 @@ def test_columns_of_strided_elements_are_made_contiguous_first(weight, op):
         g.close()
         allocator.close()
     assert np.array_equal(got, products(w, x, Allocator(), 1, op))
-
-
-def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
-    """The threads take the weight rows in chunks from a count of the operation's own, which
-    the last thread to finish starts again for the next replay: a count left over would leave
-    rows unwritten (NaN here) in the next."""
-    w, shape = weight
-    x = np.random.default_rng(5).standard_normal((3, shape[1]), dtype=np.float32)
-    expected = products(w, x, Allocator(), 1, op)
-    for replay in replays(w, shape, op, x, [1, 2, 2, 1, 2, 1, 1, 2]):
-        for y in replay:
-            assert np.array_equal(y, expected)
 
 
 def test_the_claims_the_graph_allocates_are_the_kernel_s_size():
@@ -149,9 +107,9 @@ def test_graphs_replayed_at_once_in_two_threads_do_not_share_their_counts(weight
 
 def test_it_can_be_turned_off_or_held_to_avx2(q8_kernel):
     q8_kernel("0")
-    assert not q8_product.available() and q8_product.chosen() is None
+    assert not q8_product.KERNEL.available() and q8_product.KERNEL.chosen() is None
     q8_kernel("avx2")
-    assert q8_product.chosen() == "avx2"
+    assert q8_product.KERNEL.chosen() == "avx2"
 
 
 def test_a_q8_0_file_s_weights_go_to_the_kernel(tiny_runtime):
@@ -161,7 +119,7 @@ def test_a_q8_0_file_s_weights_go_to_the_kernel(tiny_runtime):
     stacks = 0
     for lm in (runtime.talker.lm, runtime.code_predictor.lm):
         q8 = [w for w in lm.weights.tensors.values() if type_of(w) == QType.Q8_0]
-        assert q8 and all(q8_product.takes(w) for w in q8)
+        assert q8 and all(q8_product.KERNEL.takes(w) for w in q8)
         stacks += sum(dims(w)[2] > 1 for w in q8)
     assert stacks == 1
 

@@ -469,10 +469,10 @@ def test_a_talker_step_beside_others_is_its_lone_step_to_the_bit(tiny_gguf, out_
     alone)."""
     if out_type.startswith("q8_0 on "):
         variant = out_type.removeprefix("q8_0 on ")
-        if variant != "ggml" and variant not in q8_product.variants():
+        if variant != "ggml" and variant not in q8_product.KERNEL.variants():
             pytest.skip(f"this CPU does not run the kernel's {variant} variant")
         q8_kernel("0" if variant == "ggml" else variant)
-        assert q8_product.chosen() == (None if variant == "ggml" else variant)
+        assert q8_product.KERNEL.chosen() == (None if variant == "ggml" else variant)
         out_type = "q8_0"
     model = kazeia_stream.load_model(tiny_gguf("custom_voice", out_type)[0])
     runtime = kazeia_stream.Runtime(model, max_streams=4)

@@ -172,6 +172,20 @@ static inline void product(struct tensor *dst, int ith, int nth, struct claims *
     free(d);
 }
 
+/* The variant of a quantized kernel this CPU runs: 2 AVX512-VNNI (with BW, DQ, VL), 1 AVX2
+   (with FMA, F16C), 0 neither. */
+static inline int vnni_level(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c"))
+        return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512vnni")
+               ? 2
+               : 1;
+}
+
 /* The sum of v's eight lanes, in one order. */
 __attribute__((target("avx2"))) INLINE float sum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));

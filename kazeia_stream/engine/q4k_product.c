@@ -27,18 +27,8 @@ typedef struct {
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* The variant this CPU runs: 2 AVX512-VNNI, 1 AVX2, 0 neither. */
-int kz_q4k_product_level(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-        !__builtin_cpu_supports("f16c"))
-        return 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512vnni")
-               ? 2
-               : 1;
-}
+/* The variant this CPU runs (`vnni_level`). */
+int kz_q4k_product_level(void) { return vnni_level(); }
 
 /* ggml's nearest_int: to the nearest, ties to even, for |v| < 2^22. */
 static inline int nearest(float v) {

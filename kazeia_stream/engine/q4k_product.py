@@ -27,13 +27,6 @@ from .quantized_product import Kernel
 
 ENV = "KAZEIA_Q4K_KERNEL"  # "0": ggml's kernels for every Q4_K product; "avx2": our AVX2 variant
 KERNEL = Kernel("q4k_product", QType.Q4_K, ENV)
-variants, chosen, available, takes, product = (
-    KERNEL.variants,
-    KERNEL.chosen,
-    KERNEL.available,
-    KERNEL.takes,
-    KERNEL.product,
-)
 
 if (
     __name__ == "__main__"

@@ -23,18 +23,8 @@ typedef struct {
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* The variant this CPU runs: 2 AVX512-VNNI, 1 AVX2, 0 neither. */
-int kz_q8_product_level(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-        !__builtin_cpu_supports("f16c"))
-        return 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512vnni")
-               ? 2
-               : 1;
-}
+/* The variant this CPU runs (`vnni_level`). */
+int kz_q8_product_level(void) { return vnni_level(); }
 
 /* A block's scale as ggml's quantize_row_q8_0: d = max|x| / 127 (rounded through fp16, as
    ggml stores it); the values are multiplied by 127 / max|x| and rounded to the nearest (even

@@ -38,13 +38,6 @@ from .quantized_product import Kernel
 
 ENV = "KAZEIA_Q8_KERNEL"  # "0": ggml's kernels for every product; "avx2": our AVX2 variant
 KERNEL = Kernel("q8_product", QType.Q8_0, ENV)
-variants, chosen, available, takes, product = (
-    KERNEL.variants,
-    KERNEL.chosen,
-    KERNEL.available,
-    KERNEL.takes,
-    KERNEL.product,
-)
 
 if __name__ == "__main__":  # [--mb MB] [--rows 1,4] [--threads 1,2]
     KERNEL.bench()

@@ -1,0 +1,107 @@
+"""Our kernels of quantized weights times float32 rows (`q8_product` for Q8_0, `q4k_product` for
+Q4_K; each variant this CPU runs) against ggml's products, and what the engines need of them: a
+row's numbers whatever rows come with it, on any thread count."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from kernels import on_variant, replays
+
+from kazeia_stream.engine import native, q4k_product, q8_product
+from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, products
+from kazeia_stream.ggml_lib import quantize
+
+# Q8_0: 200 x 96 has rows that fill no tile of 16 and an odd block count per row (3, no group of
+# eight); 64 x 1024 an even one (32, four groups of eight); 40 x 352 a group of eight and three
+# blocks beyond it. Q4_K: one block a row, four, twelve. 200 rows fill no chunk of 64.
+CASES = [(q8_product.KERNEL, shape) for shape in ((200, 96), (64, 1024), (40, 352))]
+CASES += [(q4k_product.KERNEL, shape) for shape in ((200, 256), (64, 1024), (40, 3072))]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0].qtype.name}-{c[1][0]}x{c[1][1]}")
+def weight(request):
+    """(kernel, a weight [m, k] of its type (libggml's quantizer) as a ggml tensor over its
+    bytes, (m, k)); skipped where the kernel was not built or the CPU lacks AVX2."""
+    kernel, (m, k) = request.param
+    if not kernel.variants():
+        pytest.skip("the kernel is not built, or this CPU lacks AVX2")
+    rng = np.random.default_rng(m)
+    tensor = ArrayTensor(
+        quantize(rng.standard_normal((m, k), dtype=np.float32), kernel.qtype), kernel.qtype, (m, k)
+    )
+    yield kernel, tensor.tensor, (m, k)
+    tensor.close()
+
+
+@pytest.fixture(params=native.VARIANTS)
+def op(request, weight):
+    """The weight's kernel on each variant (`on_variant`)."""
+    return on_variant(weight[0], request.param)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_gives_ggml_s_products_to_float_rounding(weight, op, threads):
+    _, w, shape = weight
+    x = np.random.default_rng(1).standard_normal((9, shape[1]), dtype=np.float32)
+    x[3] = 0.0  # a row whose blocks quantize to zeros
+    ours, ggml = (products(w, x, Allocator(), threads, kernel) for kernel in (op, None))
+    assert ours.shape == ggml.shape == (9, shape[0])
+    assert np.abs(ours - ggml).max() <= 1e-6 * np.abs(ggml).max()
+    assert not np.any(ours[3]) and np.all(np.any(ours, axis=1)[[0, 1, 2, 4]])
+
+
+def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weight, op):
+    _, w, shape = weight
+    x = np.random.default_rng(2).standard_normal((9, shape[1]), dtype=np.float32)
+    alone = np.concatenate([products(w, x[i : i + 1], Allocator(), 1, op) for i in range(len(x))])
+    for count in (2, 4, 5, 9):
+        for threads in (1, 2):
+            assert np.array_equal(products(w, x[:count], Allocator(), threads, op), alone[:count])
+
+
+def test_the_variants_differ_by_float_rounding_only(weight):
+    """They quantize the rows alike; only the order of the float sums differs."""
+    kernel, w, shape = weight
+    if len(kernel.variants()) < 2:
+        pytest.skip("this CPU runs one variant")
+    x = np.random.default_rng(4).standard_normal((5, shape[1]), dtype=np.float32)
+    a, b = (products(w, x, Allocator(), 1, partial(kernel.product, variant=v)) for v in kernel.variants())
+    assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
+def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
+    """The threads take the weight rows in chunks from shares of the operation's own, which
+    the last thread to finish sets back for the next replay: a share left over would leave
+    rows unwritten (NaN here) in the next."""
+    _, w, shape = weight
+    x = np.random.default_rng(5).standard_normal((3, shape[1]), dtype=np.float32)
+    expected = products(w, x, Allocator(), 1, op)
+    for replay in replays(w, shape, op, x, [1, 2, 2, 1, 2, 1, 1, 2]):
+        for y in replay:
+            assert np.array_equal(y, expected)
+
+
+def test_the_engines_multiply_each_type_on_its_kernel(monkeypatch):
+    """A Q4_K weight goes to q4k_product's kernel, a Q8_0 one to q8_product's, others (a Q6_K
+    one) to ggml's; none to a kernel turned off."""
+    from kazeia_stream.engine import qwen3
+
+    rows = np.random.default_rng(8).standard_normal((32, 256), dtype=np.float32)
+    q4k, q8, q6k = (
+        ArrayTensor(quantize(rows, t), t, (32, 256)) for t in (QType.Q4_K, QType.Q8_0, QType.Q6_K)
+    )
+    for kernel, w in ((q4k_product.KERNEL, q4k), (q8_product.KERNEL, q8)):
+        if kernel.available():
+            assert qwen3._kernel(w.tensor) is kernel
+    assert qwen3._kernel(q6k.tensor) is None
+    monkeypatch.setenv(q4k_product.ENV, "0")
+    q4k_product.KERNEL.chosen.cache_clear()
+    try:
+        assert qwen3._kernel(q4k.tensor) is None
+    finally:
+        monkeypatch.undo()
+        q4k_product.KERNEL.chosen.cache_clear()
