@@ -1,4 +1,4 @@
-"""What the tests of our ggml custom operations (`q8_product`, `q4k_product`) share: each runs
+"""What the tests of our ggml custom operations (`q8_product`, `kquant_product`) share: each runs
 on every variant of its kernel that this CPU runs, and replays graphs of its products."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 /* What our C kernels share: the INLINE macro; for our ggml custom operations of quantized
-   weights times float32 rows (q8_product.c, q4k_product.c), the leading fields of ggml's
+   weights times float32 rows (q8_product.c, kquant_product.c), the leading fields of ggml's
    tensor, the claims by which ggml's threads take an operation's weight rows, the loop that
    quantizes x and passes its rows over tiles of weight rows, and the sum of a float32 vector's
    lanes on AVX2. */

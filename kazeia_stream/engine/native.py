@@ -1,5 +1,5 @@
-"""Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_q4k_product` from
-q4k_product.c, `_f32_product` from f32_product.c, `_snake` from snake.c, `_winograd` from
+"""Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_kquant_product` from
+kquant_product.c, `_f32_product` from f32_product.c, `_snake` from snake.c, `_winograd` from
 winograd.c, `_sampler` from sampler.c, `_code_step` from code_step.c and sampler.c), built as
 `clib` says: where one was not built (no C compiler), or its CPU lacks AVX2, the code it
 replaces runs (ggml's kernels, numpy)."""
@@ -49,6 +49,7 @@ def chosen(name: str, env: str) -> str | None:
     return wanted if wanted in runs else runs[0]
 
 
-def address(name: str, variant: str) -> int:
-    """The address of library `name`'s kernel `kz_{name}_{variant}` (a ggml custom operation)."""
-    return ctypes.cast(function(name, variant), ctypes.c_void_p).value or 0
+def address(name: str, variant: str, op: str = "") -> int:
+    """The address of library `name`'s kernel `kz_{name}_{variant}` (or `kz_{name}_{op}_{variant}`):
+    a ggml custom operation."""
+    return ctypes.cast(function(name, variant, op), ctypes.c_void_p).value or 0

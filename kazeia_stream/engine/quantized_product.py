@@ -1,5 +1,5 @@
 """Quantized weights times float32 rows on kernels of our own, as ggml custom operations in
-our graphs (`q8_product` for Q8_0, `q4k_product` for Q4_K): what every such kernel shares, the
+our graphs (`q8_product` for Q8_0, `kquant_product` for Q4_K and Q6_K): what every such kernel shares, the
 choice of its variant, which weights it takes, the product's graph operation and a benchmark
 from memory."""
 
@@ -16,12 +16,12 @@ from .ggml_graph import Graph, Tensor, dims, strides, type_of
 
 
 class Kernel:
-    """The kernel of library `name` (`{name}.c`) for weights of `qtype`; `env` names the
-    environment variable that sets its variant ("0": ggml's kernels; a variant's name: that
-    one, where it runs)."""
+    """The kernel of library `name` (`{name}.c`; its operation `op` where it has several) for
+    weights of `qtype`; `env` names the environment variable that sets its variant ("0":
+    ggml's kernels; a variant's name: that one, where it runs)."""
 
-    def __init__(self, name: str, qtype: QType, env: str) -> None:
-        self.name, self.qtype, self.env = name, qtype, env
+    def __init__(self, name: str, qtype: QType, env: str, op: str = "") -> None:
+        self.name, self.qtype, self.env, self.op = name, qtype, env, op
         self.chosen: Callable[[], str | None] = cache(self._chosen)
 
     def variants(self) -> tuple[str, ...]:
@@ -57,7 +57,7 @@ class Kernel:
         variant = variant or self.chosen()
         assert variant is not None, "the kernel does not run here"
         assert (ids is None) == (dims(w)[2] == 1), "a stack's product needs ids, a matrix's none"
-        return g.product(native.address(self.name, variant), w, x, ids)
+        return g.product(native.address(self.name, variant, self.op), w, x, ids)
 
     def bench(self, argv: list[str] | None = None) -> None:
         """ms per product of a random weight of about MB megabytes (larger than the caches:

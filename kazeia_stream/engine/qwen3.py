@@ -36,7 +36,7 @@ from ..ggml_lib import quantize
 from ..model import gguf_layout as L
 from ..model.config import LMConfig, layer_shapes
 from ..model.gguf_file import GGUFFile
-from . import q4k_product, q8_product
+from . import kquant_product, q8_product
 from .faster import Faster
 from .ggml_graph import (
     Allocator,
@@ -104,8 +104,9 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
 
 
 def _kernel(w: Tensor) -> Kernel | None:
-    """Our kernel that multiplies weight `w` (`q8_product`, `q4k_product`), if one does."""
-    return next((k for k in (q8_product.KERNEL, q4k_product.KERNEL) if k.takes(w)), None)
+    """Our kernel that multiplies weight `w` (`q8_product`, `kquant_product`), if one does."""
+    kernels = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q6_K)
+    return next((k for k in kernels if k.takes(w)), None)
 
 
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)
@@ -396,8 +397,9 @@ class Qwen3LM:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
-        A Q8_0 or Q4_K matrix, or a stack (the code predictor's heads), multiplies every
-        column at once on our kernel of its type, where it runs (`q8_product`, `q4k_product`).
+        A Q8_0, Q4_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies every
+        column at once on our kernel of its type, where it runs (`q8_product`,
+        `kquant_product`).
         Else, where ggml's several-column kernel
         gives each column its one-column numbers (`columns_agree`: Q8_0 here), the columns
         are multiplied `together` by it, or the first alone and the others together,

@@ -1,4 +1,5 @@
-/* Q4_K weights times float32 rows, as a ggml custom operation (see q4k_product.py for why).
+/* Q4_K and Q6_K weights times float32 rows, as ggml custom operations (see kquant_product.py
+   for why). Q4_K first:
 
    dst [m, n] = w [m, k] (Q4_K: super-blocks of 256, an fp16 scale and min, eight 6-bit scales
    and mins of 32 values each, 4-bit values) @ x [k, n] (float32 rows), the rows of x quantized
@@ -28,7 +29,7 @@ typedef struct {
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* The variant this CPU runs (`vnni_level`). */
-int kz_q4k_product_level(void) { return vnni_level(); }
+int kz_kquant_product_level(void) { return vnni_level(); }
 
 /* ggml's nearest_int: to the nearest, ties to even, for |v| < 2^22. */
 static inline int nearest(float v) {
@@ -38,9 +39,51 @@ static inline int nearest(float v) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-/* A row of x per block of 256: its int8 (as ggml's quantize_row_q8_K_ref), then the int16
-   sums of its eight sub-blocks of 32; its scale in d. */
-static const struct layout layout_q8k = {1, QK_K + 16, 1};
+/* A block of 256 floats as int8 (ggml's quantize_row_q8_K_ref: the signed largest to -127);
+   its scale. */
+static float q8k_block(const float *x, int8_t *qs) {
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < QK_K; j++) {
+        const float ax = x[j] < 0 ? -x[j] : x[j];
+        if (ax > amax) {
+            amax = ax;
+            max = x[j];
+        }
+    }
+    if (amax == 0.0f) {
+        memset(qs, 0, QK_K);
+        return 0.0f;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < QK_K; j++) {
+        const int v = nearest(iscale * x[j]);
+        qs[j] = (int8_t)(v < 127 ? v : 127);
+    }
+    return 1.0f / iscale;
+}
+
+/* A row of x per block of 256 for n-value groups: its int8, then the int16 sums of its groups
+   (QK_K / n of them); its scale in d. */
+static void quantize_q8k(const float *x, int64_t k, int8_t *q, float *d, int n) {
+    const int64_t stride = QK_K + 2 * QK_K / n;
+    for (int64_t b = 0; b < k / QK_K; b++) {
+        int8_t *qs = q + b * stride;
+        int16_t sums[QK_K / 16] = {0};
+        d[b] = q8k_block(x + b * QK_K, qs);
+        for (int j = 0; j < QK_K; j++) sums[j / n] += qs[j];
+        memcpy(qs + QK_K, sums, 2 * QK_K / n);
+    }
+}
+
+/* Q4_K's x: the sums of its eight sub-blocks of 32. */
+static const struct layout layout_q4k = {1, QK_K + 16, 1};
+
+static void quantize_q4k(const float *x, int64_t k, int8_t *q, float *d) { quantize_q8k(x, k, q, d, 32); }
+
+/* Q6_K's x: the sums of its sixteen groups of 16 (ggml's bsums). */
+static const struct layout layout_q6k = {1, QK_K + 32, 1};
+
+static void quantize_q6k(const float *x, int64_t k, int8_t *q, float *d) { quantize_q8k(x, k, q, d, 16); }
 
 /* x's int8 of a block from `from` into `to`, sub-blocks in the order rows512 reads them. */
 static void reorder512(const int8_t *from, int8_t *to) {
@@ -48,37 +91,9 @@ static void reorder512(const int8_t *from, int8_t *to) {
     for (int i = 0; i < 8; i++) memcpy(to + 32 * i, from + 32 * order[i], 32);
 }
 
-static void quantize_q8k(const float *x, int64_t k, int8_t *q, float *d) {
-    for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
-        int8_t *qs = q + b * (QK_K + 16);
-        int16_t sums[8] = {0};
-        float max = 0.0f, amax = 0.0f;
-        for (int j = 0; j < QK_K; j++) {
-            const float ax = x[j] < 0 ? -x[j] : x[j];
-            if (ax > amax) {
-                amax = ax;
-                max = x[j];
-            }
-        }
-        if (amax == 0.0f) {
-            memset(qs, 0, QK_K);
-            d[b] = 0.0f;
-        } else {
-            const float iscale = -127.0f / max;
-            for (int j = 0; j < QK_K; j++) {
-                const int v = nearest(iscale * x[j]);
-                qs[j] = (int8_t)(v < 127 ? v : 127);
-                sums[j / 32] += qs[j];
-            }
-            d[b] = 1.0f / iscale;
-        }
-        memcpy(qs + QK_K, sums, sizeof sums);
-    }
-}
-
-/* quantize_q8k, each block's int8 in rows512's order. */
-static void quantize_q8k512(const float *x, int64_t k, int8_t *q, float *d) {
-    quantize_q8k(x, k, q, d);
+/* quantize_q4k, each block's int8 in rows512's order. */
+static void quantize_q4k512(const float *x, int64_t k, int8_t *q, float *d) {
+    quantize_q4k(x, k, q, d);
     for (int64_t b = 0; b < k / QK_K; b++) {
         int8_t block[QK_K];
         memcpy(block, q + b * (QK_K + 16), QK_K);
@@ -147,7 +162,7 @@ AVX2 INLINE void rows256(const block_q4_K *w, int64_t nb, size_t q_row, size_t d
 
 TILE(AVX2, tile256, rows256)
 
-/* AVX512-VNNI: x's sub-blocks laid out 0, 2, 1, 3, 4, 6, 5, 7 (quantize_q8k512), so that the
+/* AVX512-VNNI: x's sub-blocks laid out 0, 2, 1, 3, 4, 6, 5, 7 (quantize_q4k512), so that the
    low nibbles of 64 bytes of values (sub-blocks 4 h and 4 h + 2) and their high nibbles (4 h + 1
    and 4 h + 3) each meet 64 contiguous int8 of x; u8 x s8 pairs (int16), then pairs of those
    times their sub-block's scale added into the block's int32 sums (vpdpwssd). */
@@ -208,10 +223,87 @@ AVX512 INLINE void rows512(const block_q4_K *w, int64_t nb, size_t q_row, size_t
 
 TILE(AVX512, tile512, rows512)
 
-void kz_q4k_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q8k512, &layout_q8k, tile512);
+/* Q6_K: per 256 values, their low 4 bits (128 bytes: values 0-31 and 64-95 of each half in
+   the low and high nibbles of its first 32 bytes, 32-63 and 96-127 of its next 32), their high
+   2 bits (64 bytes: four values a byte, one of each quarter of a half), sixteen int8 scales of
+   16 values and an fp16 scale; a value is those 6 bits less 32. */
+typedef struct {
+    uint8_t ql[QK_K / 2];
+    uint8_t qh[QK_K / 4];
+    int8_t scales[QK_K / 16];
+    uint16_t d;
+} block_q6_K;
+
+/* AVX2: the 6-bit values, unsigned (0-63), of 32 values a register, times x's int8 (u8 x s8
+   pairs, int16), then pairs of those by their group's scale (int32); the 32 the unsigned
+   values carry taken off once a block, from x's group sums times the scales. A block's sum is
+   an integer but for its two scales, as ggml's. */
+AVX2 INLINE void rows_q6k(const block_q6_K *w, int64_t nb, size_t q_row, size_t d_row, const int n,
+                          const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
+                          int64_t r1) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    __m256i pick[4]; /* byte shuffles: scale 2 i in the int16 lanes of 128-bit lane 0, 2 i + 1 in lane 1 */
+    for (int i = 0; i < 4; i++)
+        pick[i] = _mm256_setr_epi8(4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1,
+                                   4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1,
+                                   4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2,
+                                   4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3,
+                                   4 * i + 2, 4 * i + 3);
+    for (int64_t row = r0; row < r1; row++) {
+        const block_q6_K *wr = w + row * nb;
+        __m256 acc[ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const block_q6_K *blk = wr + b;
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)blk + PREFETCH + 64 * l, _MM_HINT_T0);
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
+            __m256i u[8], sc[8];
+            for (int h = 0; h < 2; h++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
+                const __m256i lows[4] = {ql0, ql1, _mm256_srli_epi16(ql0, 4), _mm256_srli_epi16(ql1, 4)};
+                for (int i = 0; i < 4; i++) {
+                    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), low2);
+                    u[4 * h + i] = _mm256_or_si256(_mm256_and_si256(lows[i], low4), _mm256_slli_epi16(high, 4));
+                }
+                const __m256i half = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                                       : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+                for (int i = 0; i < 4; i++) sc[4 * h + i] = _mm256_shuffle_epi8(half, pick[i]);
+            }
+            const float dw = _cvtsh_ss(blk->d);
+            for (int r = 0; r < n; r++) {
+                const int8_t *xq = q + r * q_row + b * (QK_K + 32);
+                __m256i sums = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t++) {
+                    const __m256i p = _mm256_maddubs_epi16(u[t], _mm256_loadu_si256((const __m256i *)(xq + 32 * t)));
+                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p, sc[t]));
+                }
+                const __m256i groups = _mm256_loadu_si256((const __m256i *)(xq + QK_K));
+                sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_madd_epi16(sc16, groups), 5));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d[r * d_row + b] * dw), acc[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) dst[r * dst_row + row] = sum256(acc[r]);
+    }
 }
 
-void kz_q4k_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q8k, &layout_q8k, tile256);
+TILE(AVX2, tile_q6k256, rows_q6k)
+TILE(AVX512, tile_q6k512, rows_q6k)
+
+void kz_kquant_product_q4k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q4k512, &layout_q4k, tile512);
+}
+
+void kz_kquant_product_q4k_avx2(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile256);
+}
+
+/* The AVX512 variant of Q6_K is the AVX2 loops built for AVX-512 (the same numbers). */
+void kz_kquant_product_q6k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q6k, &layout_q6k, tile_q6k512);
+}
+
+void kz_kquant_product_q6k_avx2(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q6k, &layout_q6k, tile_q6k256);
 }
