@@ -240,3 +240,14 @@ def test_the_c_steps_read_every_f16_as_numpy_does(c_steps):
     read = code_step.kernel().kz_code_step_row
     assert read(halves.ctypes.data, int(QType.F16), len(halves), 0, out.ctypes.data)
     np.testing.assert_array_equal(out.view(np.uint32), halves.astype(np.float32).view(np.uint32))
+
+
+def test_the_c_steps_can_be_turned_off(monkeypatch, c_steps):
+    monkeypatch.setenv(code_step.ENV, "0")
+    code_step.kernel.cache_clear()
+    try:
+        assert code_step.kernel() is None
+    finally:
+        monkeypatch.undo()
+        code_step.kernel.cache_clear()
+    assert code_step.kernel() is not None

@@ -1,11 +1,12 @@
 """The code predictor's steps after its first, each in one C call (`code_step.c`): the input
 rows from the table, the graph's run and the draws, the GIL released throughout. Where the
-kernel was not built, or a table's type is not one it reads, the code predictor's Python steps
-run instead (the same numbers: tested)."""
+kernel was not built, or a table's type is not one it reads, or `KAZEIA_CODE_STEP=0`, the code
+predictor's Python steps run instead (the same numbers: tested)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from collections.abc import Sequence
 from functools import cache
@@ -20,6 +21,7 @@ from .qwen3 import Replay
 from .sampler import CodeSampler
 
 TYPES = (QType.F32, QType.F16, QType.Q8_0)  # the table types the kernel reads
+ENV = "KAZEIA_CODE_STEP"  # "0": the Python steps
 
 
 class _Copy(ctypes.Structure):
@@ -62,8 +64,9 @@ class _Step(ctypes.Structure):
 
 @cache
 def kernel() -> Any:
-    """The library (`kz_code_step`, `kz_code_step_row`), where it was built; else None."""
-    lib: Any = native.library("code_step")
+    """The library (`kz_code_step`, `kz_code_step_row`), where it was built and `ENV` does not
+    turn it off (read at the first use); else None."""
+    lib: Any = None if os.environ.get(ENV) == "0" else native.library("code_step")
     if lib is not None:
         lib.kz_code_step.argtypes, lib.kz_code_step.restype = [ctypes.POINTER(_Step)], ctypes.c_int
         row_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
