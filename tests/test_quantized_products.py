@@ -1,6 +1,6 @@
 """Our kernels of quantized weights times float32 rows (`q8_product` for Q8_0, `kquant_product`
-for Q4_K and Q6_K; each variant this CPU runs) against ggml's products, and what the engines need of them: a
-row's numbers whatever rows come with it, on any thread count."""
+for Q4_K, Q5_K and Q6_K; each variant this CPU runs) against ggml's products, and what the
+engines need of them: a row's numbers whatever rows come with it, on any thread count."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from kazeia_stream.ggml_lib import quantize
 
 # Q8_0: 200 x 96 has rows that fill no tile of 16 and an odd block count per row (3, no group of
 # eight); 64 x 1024 an even one (32, four groups of eight); 40 x 352 a group of eight and three
-# blocks beyond it. Q4_K and Q6_K: one block a row, four, twelve. 200 rows fill no chunk of 64.
+# blocks beyond it. K-quants: one block a row, four, twelve. 200 rows fill no chunk of 64.
 CASES = [(q8_product.KERNEL, shape) for shape in ((200, 96), (64, 1024), (40, 352))]
 CASES += [
     (k, shape)
-    for k in (kquant_product.Q4_K, kquant_product.Q6_K)
+    for k in (kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K)
     for shape in ((200, 256), (64, 1024), (40, 3072))
 ]
 
@@ -90,25 +90,25 @@ def test_every_replay_computes_every_row_on_any_thread_count(weight, op):
 
 
 def test_the_engines_multiply_each_type_on_its_kernel(monkeypatch):
-    """A Q8_0 weight goes to q8_product's kernel, Q4_K and Q6_K ones to kquant_product's,
-    others (a Q5_K one) to ggml's; none to a kernel turned off."""
+    """A Q8_0 weight goes to q8_product's kernel, Q4_K, Q5_K and Q6_K ones to kquant_product's,
+    others (a Q3_K one) to ggml's; none to a kernel turned off."""
     from kazeia_stream.engine import qwen3
 
     rows = np.random.default_rng(8).standard_normal((32, 256), dtype=np.float32)
-    kernels = [q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q6_K]
+    kernels = [q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K]
     weights = {
-        t: ArrayTensor(quantize(rows, t), t, (32, 256)) for t in [k.qtype for k in kernels] + [QType.Q5_K]
+        t: ArrayTensor(quantize(rows, t), t, (32, 256)) for t in [k.qtype for k in kernels] + [QType.Q3_K]
     }
     for kernel in kernels:
         if kernel.available():
             assert qwen3._kernel(weights[kernel.qtype].tensor) is kernel
-    assert qwen3._kernel(weights[QType.Q5_K].tensor) is None
+    assert qwen3._kernel(weights[QType.Q3_K].tensor) is None
     monkeypatch.setenv(kquant_product.ENV, "0")
     for kernel in kernels[1:]:
         kernel.chosen.cache_clear()
     try:
-        assert qwen3._kernel(weights[QType.Q4_K].tensor) is None
-        assert qwen3._kernel(weights[QType.Q6_K].tensor) is None
+        for kernel in kernels[1:]:
+            assert qwen3._kernel(weights[kernel.qtype].tensor) is None
     finally:
         monkeypatch.undo()
         for kernel in kernels[1:]:

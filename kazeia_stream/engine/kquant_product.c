@@ -12,6 +12,7 @@
    on the rows beside it), within float rounding of ggml's. Threads claim chunks of weight
    rows and pass x's rows over tiles of them as q8_product.c's do (ggml_op.h). */
 
+#include <stddef.h>
 #include <string.h>
 
 #include "ggml_op.h"
@@ -115,29 +116,46 @@ AVX2 INLINE __m128i scales_mins(const uint8_t *packed) {
     return _mm_or_si128(bits, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xc0)), 2));
 }
 
-AVX2 INLINE void rows256(const block_q4_K *w, int64_t nb, size_t q_row, size_t d_row, const int n,
-                          const int8_t *q, const float *d, float *dst, size_t dst_row, int64_t r0,
-                          int64_t r1) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
+/* Q5_K: Q4_K's header, then the values' fifth bits (32 bytes: bit 2 j of byte l is value l of
+   sub-block 2 j's, bit 2 j + 1 value l of 2 j + 1's), then their low 4 bits as Q4_K's. */
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];
+    uint8_t qs[QK_K / 2];
+} block_q5_K;
+
+/* AVX2, Q4_K (`five` 0) or Q5_K (1): blocks of `size` bytes, Q4_K's header first, the 4-bit
+   values at `qs`, Q5_K's fifth bits at `qh`. */
+AVX2 INLINE void rows_k(const uint8_t *w, const size_t size, const size_t qs, const size_t qh, const int five,
+                        int64_t nb, size_t q_row, size_t d_row, const int n, const int8_t *q, const float *d,
+                        float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+    const __m256i low = _mm256_set1_epi8(0x0f), bit = _mm256_set1_epi8(0x01);
     for (int64_t row = r0; row < r1; row++) {
-        const block_q4_K *wr = w + row * nb;
+        const uint8_t *wr = w + row * nb * size;
         __m256 acc[ROWS];
         for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            const block_q4_K *blk = wr + b;
-            _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH + 128, _MM_HINT_T0);
+            const block_q4_K *blk = (const block_q4_K *)(wr + b * size); /* the header */
+            for (size_t l = 0; l < size; l += 64) _mm_prefetch((const char *)blk + PREFETCH + l, _MM_HINT_T0);
             const __m256i both = _mm256_cvtepu8_epi16(scales_mins(blk->scales)); /* int16 */
             const __m128i mins = _mm256_extracti128_si256(both, 1);
             const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(both));
             __m256i sc[8], lo[4], hi[4];
             for (int j = 0; j < 8; j++) /* scale j in every int16 lane */
                 sc[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * j | (2 * j + 1) << 8)));
+            const __m256i fifth = five ? _mm256_loadu_si256((const __m256i *)((const uint8_t *)blk + qh))
+                                       : _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * j));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)blk + qs + 32 * j));
                 lo[j] = _mm256_and_si256(v, low);
                 hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (five) {
+                    const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(fifth, 2 * j), bit);
+                    const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(fifth, 2 * j + 1), bit);
+                    lo[j] = _mm256_or_si256(lo[j], _mm256_slli_epi16(b0, 4));
+                    hi[j] = _mm256_or_si256(hi[j], _mm256_slli_epi16(b1, 4));
+                }
             }
             const float dw = _cvtsh_ss(blk->d), mw = _cvtsh_ss(blk->dmin);
             for (int r = 0; r < n; r++) {
@@ -160,7 +178,20 @@ AVX2 INLINE void rows256(const block_q4_K *w, int64_t nb, size_t q_row, size_t d
     }
 }
 
+AVX2 INLINE void rows256(const void *w, int64_t nb, size_t q_row, size_t d_row, const int n, const int8_t *q,
+                         const float *d, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+    rows_k(w, sizeof(block_q4_K), offsetof(block_q4_K, qs), 0, 0, nb, q_row, d_row, n, q, d, dst, dst_row, r0, r1);
+}
+
+AVX2 INLINE void rows_q5k(const void *w, int64_t nb, size_t q_row, size_t d_row, const int n, const int8_t *q,
+                          const float *d, float *dst, size_t dst_row, int64_t r0, int64_t r1) {
+    rows_k(w, sizeof(block_q5_K), offsetof(block_q5_K, qs), offsetof(block_q5_K, qh), 1, nb, q_row, d_row, n, q, d,
+           dst, dst_row, r0, r1);
+}
+
 TILE(AVX2, tile256, rows256)
+TILE(AVX2, tile_q5k256, rows_q5k)
+TILE(AVX512, tile_q5k512, rows_q5k)
 
 /* AVX512-VNNI: x's sub-blocks laid out 0, 2, 1, 3, 4, 6, 5, 7 (quantize_q4k512), so that the
    low nibbles of 64 bytes of values (sub-blocks 4 h and 4 h + 2) and their high nibbles (4 h + 1
@@ -299,7 +330,15 @@ void kz_kquant_product_q4k_avx2(struct tensor *dst, int ith, int nth, void *clai
     product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile256);
 }
 
-/* The AVX512 variant of Q6_K is the AVX2 loops built for AVX-512 (the same numbers). */
+/* The AVX512 variants of Q5_K and Q6_K are their AVX2 loops built for AVX-512 (the same numbers). */
+void kz_kquant_product_q5k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile_q5k512);
+}
+
+void kz_kquant_product_q5k_avx2(struct tensor *dst, int ith, int nth, void *claims) {
+    product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile_q5k256);
+}
+
 void kz_kquant_product_q6k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
     product(dst, ith, nth, claims, QK_K, quantize_q6k, &layout_q6k, tile_q6k512);
 }

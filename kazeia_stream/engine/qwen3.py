@@ -105,7 +105,7 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
 
 def _kernel(w: Tensor) -> Kernel | None:
     """Our kernel that multiplies weight `w` (`q8_product`, `kquant_product`), if one does."""
-    kernels = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q6_K)
+    kernels = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K)
     return next((k for k in kernels if k.takes(w)), None)
 
 
@@ -397,7 +397,7 @@ class Qwen3LM:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
-        A Q8_0, Q4_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies every
+        A Q8_0, Q4_K, Q5_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies every
         column at once on our kernel of its type, where it runs (`q8_product`,
         `kquant_product`).
         Else, where ggml's several-column kernel
