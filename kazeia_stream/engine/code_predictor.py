@@ -199,14 +199,16 @@ class CodePredictor:
         native = None
         ours = [s for s in samplers if isinstance(s, CodeSampler)]
         if code_step.kernel() is not None and self._embd.qtype in code_step.TYPES and len(ours) == n:
-            native = code_step.CodeSteps(ours, last, sums)
+            native = code_step.CodeSteps(ours, last, sums, self._embd.raw, self._embd.qtype)
         for j in range(2, self.n_groups + 1):
             if between is not None:
                 between(first_seq + n)
-            threads = self.lm.cores.threads(self.lm.threads)
-            replay = self.lm.replay(seqs, j, "head", j - 1, threads) if native else None
+            replay = None
+            if native is not None:
+                threads = self.lm.cores.threads(self.lm.threads)
+                replay = self.lm.replay(seqs, j, "head", j - 1, threads)
             if native is not None and replay is not None:
-                native(replay, threads, self._embd.raw[j - 2], self._embd.qtype)
+                native(replay, threads, j - 2)
             else:
                 rows = np.stack([self._embd.row(j - 2, int(c)) for c in last])
                 sums += rows

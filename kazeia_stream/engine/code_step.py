@@ -74,6 +74,12 @@ def kernel() -> Any:
     return lib
 
 
+@cache
+def _compute() -> int:
+    """The address of ggml_graph_compute."""
+    return ctypes.cast(ggml.ggml_graph_compute, ctypes.c_void_p).value or 0
+
+
 # each replay's inputs as the kernel's copies, made once (and gone with the replay)
 _copies: weakref.WeakKeyDictionary[Replay, ctypes.Array[_Copy]] = weakref.WeakKeyDictionary()
 
@@ -88,33 +94,43 @@ def _copies_of(replay: Replay) -> ctypes.Array[_Copy]:
 
 class CodeSteps:
     """One frame's steps for a group of streams: each step writes the rows of their last codes
-    from a table [rows, width] (stored as `QType`, the kernel's `TYPES`), adds them to `sums`
-    [streams, width] (in place), runs the replay and draws the streams' next `codes` [streams]
-    (int64, in place) with their samplers."""
+    from one of the `tables` [tables, rows, width] (stored as `table_type`, one of the kernel's
+    `TYPES`), adds them to `sums` [streams, width] (in place), runs the replay and draws the
+    streams' next `codes` [streams] (int64, in place) with their samplers."""
 
-    def __init__(self, samplers: Sequence[CodeSampler], codes: np.ndarray, sums: np.ndarray) -> None:
-        self._samplers, self.codes, self.sums = samplers, codes, sums
+    def __init__(
+        self,
+        samplers: Sequence[CodeSampler],
+        codes: np.ndarray,
+        sums: np.ndarray,
+        tables: np.ndarray,
+        table_type: QType,
+    ) -> None:
+        self._samplers, self.codes, self.sums, self._tables = samplers, codes, sums, tables
+        self._table0, self._table_size = tables.ctypes.data, tables.strides[0]
         self._draws = (_Draw * len(samplers))()
         for draw, sampler in zip(self._draws, samplers):
             p = sampler.params
             draw.temperature, draw.top_p, draw.top_k = p.temperature, p.top_p, p.top_k
             draw.greedy = not p.do_sample
         self._step = _Step(
-            compute=ctypes.cast(ggml.ggml_graph_compute, ctypes.c_void_p),
+            compute=_compute(),
             rows=len(samplers),
             width=sums.shape[1],
             sums=sums.ctypes.data,
             draws=ctypes.addressof(self._draws),
             codes=codes.ctypes.data,
+            table_type=int(table_type),
         )
 
-    def __call__(self, replay: Replay, threads: int, table: np.ndarray, table_type: QType) -> None:
+    def __call__(self, replay: Replay, threads: int, table: int) -> None:
+        """One step: the rows from table `table`, the replay on `threads`."""
         s = self._step
         copies = _copies_of(replay)
         s.graph, s.plan = replay.graph.graph, ctypes.addressof(replay.graph.plan(threads))
         s.copies, s.n_copies = ctypes.addressof(copies), len(copies)
         s.x, s.logits, s.vocab = replay.x.ctypes.data, replay.logits.ctypes.data, replay.logits.shape[1]
-        s.table, s.table_type = table.ctypes.data, int(table_type)
+        s.table = self._table0 + table * self._table_size
         for draw, sampler in zip(self._draws, self._samplers):
             if not draw.greedy:
                 draw.uniform = sampler.rng.random()

@@ -322,27 +322,17 @@ AVX2 INLINE void rows_q6k(const block_q6_K *w, int64_t nb, size_t q_row, size_t 
 TILE(AVX2, tile_q6k256, rows_q6k)
 TILE(AVX512, tile_q6k512, rows_q6k)
 
-void kz_kquant_product_q4k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q4k512, &layout_q4k, tile512);
-}
+/* The custom operation kz_kquant_product_{type}_{variant} (ggml_custom_op_t): `product` on
+   x quantized by `quantize` into `layout` and weight rows multiplied by `tile`. */
+#define OPERATION(type, variant, quantize, layout, tile)                                           \
+    void kz_kquant_product_##type##_##variant(struct tensor *dst, int ith, int nth, void *claims) { \
+        product(dst, ith, nth, claims, QK_K, quantize, &layout, tile);                            \
+    }
 
-void kz_kquant_product_q4k_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile256);
-}
-
+OPERATION(q4k, avx512, quantize_q4k512, layout_q4k, tile512)
+OPERATION(q4k, avx2, quantize_q4k, layout_q4k, tile256)
 /* The AVX512 variants of Q5_K and Q6_K are their AVX2 loops built for AVX-512 (the same numbers). */
-void kz_kquant_product_q5k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile_q5k512);
-}
-
-void kz_kquant_product_q5k_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q4k, &layout_q4k, tile_q5k256);
-}
-
-void kz_kquant_product_q6k_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q6k, &layout_q6k, tile_q6k512);
-}
-
-void kz_kquant_product_q6k_avx2(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, QK_K, quantize_q6k, &layout_q6k, tile_q6k256);
-}
+OPERATION(q5k, avx512, quantize_q4k, layout_q4k, tile_q5k512)
+OPERATION(q5k, avx2, quantize_q4k, layout_q4k, tile_q5k256)
+OPERATION(q6k, avx512, quantize_q6k, layout_q6k, tile_q6k512)
+OPERATION(q6k, avx2, quantize_q6k, layout_q6k, tile_q6k256)
