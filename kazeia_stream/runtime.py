@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from functools import cached_property
 from typing import Any
@@ -60,17 +59,20 @@ class Runtime:
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        # The decoder's weights are read in a thread of their own, holding a core, while the
-        # code predictor and the talker take their weights in place in the files' mappings
-        # (the pages of those mapped now rather than in the first frame) and, once the runtime
-        # is made, while a first utterance computes its prompt and first frame: only its decode
-        # waits for the decoder (`codec`). No engine gets a throw-away step: the talker's and
-        # the code predictor's delayed the first audio from process start by 0.1-0.5 s (a quiet
-        # to a busy host), the decoder's by 0.1 s (its frame took the core the session's first
-        # rows needed), and each saved its engine's first call 20 ms at most (measured).
-        loader = ThreadPoolExecutor(1, thread_name_prefix="kazeia-load")
-        self._codec = loader.submit(self._load_codec, model.mmproj_file)
-        loader.shutdown(wait=False)
+        # The decoder's weights are read in its engine thread, holding a core (there the heap its
+        # frames' buffers take is made ready, `heap.reserve`: in the thread that will use it),
+        # while the code predictor and the talker take their weights in place in the files'
+        # mappings (the pages of those mapped now rather than in the first frame) and, once the
+        # runtime is made, while a first utterance computes its prompt and first frame: only its
+        # decode waits for the decoder (`codec`). No engine gets a throw-away step: the talker's
+        # and the code predictor's delayed the first audio from process start by 0.1-0.5 s (a
+        # quiet to a busy host), the decoder's by 0.1 s (its frame took the core the session's
+        # first rows needed), and each saved its engine's first call 20 ms at most (measured).
+        self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
+        self.decoder = Decoder(
+            lambda: self.codec, self.threads.decoder, self.cores, lambda: self.admission.active
+        )
+        self._codec = self.decoder.start_call(lambda: self._load_codec(model.mmproj_file))
         self.code_predictor = CodePredictor(
             model.mmproj_file,
             cfg.code_predictor,
@@ -85,11 +87,7 @@ class Runtime:
             weights.prefault()
         model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
-        self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
         self.generator = Generator(self.frames)
-        self.decoder = Decoder(
-            lambda: self.codec, self.threads.decoder, self.cores, lambda: self.admission.active
-        )
         # the decoder state after each in-context voice's reference frames
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
 
@@ -100,8 +98,9 @@ class Runtime:
 
     @property
     def codec(self) -> CodecDecoder:
-        """The codec decoder, once loaded (it loads in a thread from the runtime's making)."""
-        return self._codec.result()
+        """The codec decoder, once loaded (it loads in the decoder's thread from the runtime's
+        making)."""
+        return self._codec.wait()
 
     @property
     def max_streams(self) -> int:

@@ -21,8 +21,9 @@ for the others', see `Qwen3LM._product`), and no stream waits for another's whol
   between passes, in the engines' thread.
 
 Callers wait in a thread (`*_sync`) or in a trio task; a cancelled task withdraws its request
-(a pass that already took it finishes, and its result is dropped). The threads exit when idle,
-and at interpreter exit once their pass in flight has ended (`_stop_all`).
+(a pass that already took it finishes, and its result is dropped). Each engine's thread lives
+as long as its engine (`_serve`), and ends at interpreter exit once its pass in flight has
+ended (`_stop_all`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .model.prompt import Prompt
 # How long a pass waits for the streams of the previous pass to ask again (their tasks hand the
 # frame on first): much less than a pass (>= 0.1 s), enough for a thread or task switch.
 GATHER_S = 0.004
-IDLE_EXIT_S = 1.0  # an engine thread with nothing to do for this long exits
+IDLE_CHECK_S = 1.0  # how often an idle engine thread looks whether its engine is still held
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -153,52 +154,54 @@ class _Passes(Generic[Item, T]):
 
     def call(self, fn: Callable[[], R]) -> R:
         """Run `fn` in the engines' thread between passes, and wait for it (from a thread)."""
+        return self.start_call(fn).wait()
+
+    def start_call(self, fn: Callable[[], R]) -> _Result[R]:
+        """Run `fn` in the engines' thread between passes; its result, to wait for later."""
         result: _Result[R] = _Result(in_trio=False)
         with self._cond:
             self._calls.append((fn, result))
             self._wake()
-        return result.wait()
+        return result
 
     def _wake(self) -> None:
         if self._thread is None and not self._stopping:
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
+            serve = threading.Thread(target=_serve, args=(weakref.ref(self),), name=self.name, daemon=True)
+            self._thread = serve
+            serve.start()
         self._cond.notify_all()
 
     # -- the thread -----------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
+    def _work(self) -> tuple[Callable[[], Any], _Result[Any]] | list[tuple[Item, _Result[T]]] | None:
+        """The next call, or the next pass's batch; None when there is nothing to do (under the
+        lock)."""
+        if self._calls:
+            return self._calls.popleft()
+        if not self._queue:
+            return None
+        self._gather()
+        batch = self._take()
+        self._running = [item for item, _ in batch]
+        self.stats.add(len(batch))
+        return batch
+
+    def _run(self, work: tuple[Callable[[], Any], _Result[Any]] | list[tuple[Item, _Result[T]]]) -> None:
+        """Run a call or a pass; its error goes to its caller, or to every stream of the pass."""
+        start = time.perf_counter()
+        try:
+            if isinstance(work, tuple):
+                fn, result = work
+                result.set(fn())
+            else:
+                self._pass(work)
+        except BaseException as exc:
+            for result in [work[1]] if isinstance(work, tuple) else [r for _, r in work]:
+                result.set(error=exc)
+        finally:
             with self._cond:
-                idle_since = time.monotonic()
-                while not (self._queue or self._calls or self._stopping):
-                    if time.monotonic() - idle_since > IDLE_EXIT_S:
-                        break
-                    self._cond.wait(IDLE_EXIT_S)
-                if self._stopping or not (self._queue or self._calls):  # stopped, or idle
-                    self._thread = None
-                    return
-                if self._calls:
-                    fn, call_result = self._calls.popleft()
-                    batch = None
-                else:
-                    self._gather()
-                    batch = self._take()
-                    self._running = [item for item, _ in batch]
-                    self.stats.add(len(batch))
-            start = time.perf_counter()
-            try:
-                if batch is None:
-                    call_result.set(fn())
-                else:
-                    self._pass(batch)
-            except BaseException as exc:  # handed to the caller, or to every stream of the pass
-                for result in [call_result] if batch is None else [r for _, r in batch]:
-                    result.set(error=exc)
-            finally:
-                with self._cond:
-                    self._running = []
-                    self.stats.busy_s += time.perf_counter() - start
+                self._running = []
+                self.stats.busy_s += time.perf_counter() - start
 
     def stop(self) -> None:
         """Run no more passes or calls, and wait for the one in flight to end."""
@@ -231,6 +234,36 @@ class _Passes(Generic[Item, T]):
 
 
 _live: weakref.WeakSet[_Passes[Any, Any]] = weakref.WeakSet()
+
+
+def _serve(ref: weakref.ref[_Passes[Any, Any]]) -> None:
+    """An engine's thread: its calls and passes, for as long as the engine is held or stopped.
+    It holds the engine only while it works, so that an engine nobody holds is collected (its
+    thread then ends within `IDLE_CHECK_S`). One thread for the engine's life keeps the C heap's
+    arena its buffers come from: a decoder thread started anew for each utterance took another
+    thread's arena, and its first frame faulted in 4,500 pages of buffers (5-9 ms of the first
+    audio on Zen 4) that the arena it had kept (`heap`) held already."""
+    engine = ref()
+    if engine is None:
+        return
+    cond = engine._cond
+    del engine
+    while True:
+        with cond:
+            while True:
+                engine = ref()
+                if engine is None:
+                    return
+                if engine._stopping:
+                    engine._thread = None
+                    return
+                work = engine._work()
+                if work is not None:
+                    break
+                del engine
+                cond.wait(IDLE_CHECK_S)
+        engine._run(work)
+        del engine, work
 
 
 @atexit.register
@@ -419,7 +452,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
                     return
                 try:
                     pcm = self._decode(codec, firsts, threads)
-                except BaseException as exc:  # the pass's own frames get it from `_loop`
+                except BaseException as exc:  # the pass's own frames get it from `_run`
                     for _, result in firsts:
                         result.set(error=exc)
                     raise

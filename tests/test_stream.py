@@ -156,10 +156,11 @@ async def test_the_decoder_overlaps_the_generator_after_the_first_frame(runtime,
         assert gen[1][1] >= dec[0][2]  # the first decode ran alone
         overlapping = sum(1 for _, d0, d1 in dec for _, g0, g1 in gen if d0 < g1 and g0 < d1)
         assert overlapping > 0
-        # the graphs' calls gave a core to the decoder beside them, and took it back
+        # the graphs' calls gave a core to the decoder beside them, and took it back (during
+        # the utterance only where the decoder was idle: rare with the tiny model's fast steps)
         cores = runtime.threads.cores
-        lent = threads.index(cores - 1)
-        assert cores in threads[lent:] and runtime.cores.lent == 0
+        assert cores - 1 in threads
+        assert runtime.cores.lent == runtime.cores.asked == 0 and runtime.cores.threads(cores) == cores
         # one thread runs graphs on several threads, the decoder's first frame alone included
         assert len(several) == 1
 

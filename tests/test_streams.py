@@ -11,6 +11,7 @@ ones bit for bit too.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import subprocess
 import sys
@@ -389,6 +390,28 @@ def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shar
     assert {name: stats.busy_s - before[name] for name, stats in engines.items()} == worked
     assert 0 < spent["decoder"] <= worked["decoder"] <= 1.1 * spent["decoder"] + 0.02
     assert 0 < spent["generator"] <= worked["generator"] <= wall + 0.02
+
+
+def test_an_engine_keeps_its_thread_while_it_idles_and_lets_it_end_once_collected(shared, monkeypatch):
+    """One thread for an engine's life (the C heap's arena its buffers come from stays warm
+    between utterances), yet an engine nobody holds is collected and its thread ends."""
+    from kazeia_stream import scheduler
+
+    monkeypatch.setattr(scheduler, "IDLE_CHECK_S", 0.02)
+    engine: scheduler._Passes[int, int] = scheduler._Passes("kazeia-test-engine")
+    first = engine.call(threading.get_ident)
+    time.sleep(0.2)  # ten idle checks
+    assert engine.call(threading.get_ident) == first != threading.get_ident()
+    thread = engine._thread
+    assert thread is not None
+    del engine
+    gc.collect()
+    thread.join(timeout=2)
+    assert not thread.is_alive()
+    # the runtime's decoder thread, which loaded the codec, serves utterance after utterance
+    decoder = shared.decoder._thread
+    shared.synthesize("Two words.", voice="ryan", seed=5)
+    assert shared.decoder._thread is decoder is not None and decoder.is_alive()
 
 
 @pytest.mark.parametrize("n", [0, -1, 10_000])
