@@ -105,6 +105,9 @@ class _Result(Generic[T]):
         return self._get()
 
 
+_Call = tuple[Callable[[], Any], _Result[Any]]  # a call between passes, and where its result goes
+
+
 class _Passes(Generic[Item, T]):
     """A thread that runs passes over the items queued since the last pass, and calls that
     need the engines alone between them."""
@@ -113,7 +116,7 @@ class _Passes(Generic[Item, T]):
         self.name = name
         self._cond = threading.Condition()
         self._queue: list[tuple[Item, _Result[T]]] = []
-        self._calls: deque[tuple[Callable[[], Any], _Result[Any]]] = deque()
+        self._calls: deque[_Call] = deque()
         self._running: list[Item] = []
         self._expected: Sequence[object] = []  # streams of the last pass that go on
         self._thread: threading.Thread | None = None
@@ -173,7 +176,7 @@ class _Passes(Generic[Item, T]):
 
     # -- the thread -----------------------------------------------------------------------------
 
-    def _work(self) -> tuple[Callable[[], Any], _Result[Any]] | list[tuple[Item, _Result[T]]] | None:
+    def _work(self) -> _Call | list[tuple[Item, _Result[T]]] | None:
         """The next call, or the next pass's batch; None when there is nothing to do (under the
         lock)."""
         if self._calls:
@@ -186,7 +189,7 @@ class _Passes(Generic[Item, T]):
         self.stats.add(len(batch))
         return batch
 
-    def _run(self, work: tuple[Callable[[], Any], _Result[Any]] | list[tuple[Item, _Result[T]]]) -> None:
+    def _run(self, work: _Call | list[tuple[Item, _Result[T]]]) -> None:
         """Run a call or a pass; its error goes to its caller, or to every stream of the pass."""
         start = time.perf_counter()
         try:
