@@ -1,5 +1,5 @@
-/* Q4_K and Q6_K weights times float32 rows, as ggml custom operations (see kquant_product.py
-   for why). Q4_K first:
+/* Q4_K, Q5_K and Q6_K weights times float32 rows, as ggml custom operations (see
+   kquant_product.py for why). Q4_K first:
 
    dst [m, n] = w [m, k] (Q4_K: super-blocks of 256, an fp16 scale and min, eight 6-bit scales
    and mins of 32 values each, 4-bit values) @ x [k, n] (float32 rows), the rows of x quantized

@@ -38,7 +38,8 @@ Q6_K = Kernel("kquant_product", QType.Q6_K, ENV, "q6k")
 if __name__ == "__main__":  # [--type q4_k|q5_k|q6_k] [--mb MB] [--rows 1,4] [--threads 1,2]
     import argparse
 
+    kernels = {k.qtype.name.lower(): k for k in (Q4_K, Q5_K, Q6_K)}
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--type", choices=["q4_k", "q5_k", "q6_k"], default="q4_k")
+    ap.add_argument("--type", choices=list(kernels), default="q4_k")
     args, rest = ap.parse_known_args()
-    {"q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}[args.type].bench(rest)
+    kernels[args.type].bench(rest)

@@ -1,7 +1,7 @@
 """Quantized weights times float32 rows on kernels of our own, as ggml custom operations in
-our graphs (`q8_product` for Q8_0, `kquant_product` for Q4_K and Q6_K): what every such kernel shares, the
-choice of its variant, which weights it takes, the product's graph operation and a benchmark
-from memory."""
+our graphs (`q8_product` for Q8_0, `kquant_product` for Q4_K, Q5_K and Q6_K): what every such
+kernel shares, the choice of its variant, which weights it takes, the product's graph operation
+and a benchmark from memory."""
 
 from __future__ import annotations
 

@@ -103,10 +103,12 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
     return quantize(values, qtype)
 
 
+_KERNELS = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K)
+
+
 def _kernel(w: Tensor) -> Kernel | None:
     """Our kernel that multiplies weight `w` (`q8_product`, `kquant_product`), if one does."""
-    kernels = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K)
-    return next((k for k in kernels if k.takes(w)), None)
+    return next((k for k in _KERNELS if k.takes(w)), None)
 
 
 Part = tuple[int, np.ndarray, int]  # (slot, rows [n, input width], first position)
@@ -397,13 +399,12 @@ class Qwen3LM:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
         `index`: which matrix of a stacked weight each column takes.
 
-        A Q8_0, Q4_K, Q5_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies every
-        column at once on our kernel of its type, where it runs (`q8_product`,
-        `kquant_product`).
-        Else, where ggml's several-column kernel
-        gives each column its one-column numbers (`columns_agree`: Q8_0 here), the columns
-        are multiplied `together` by it, or the first alone and the others together,
-        whichever runs faster on this CPU (`Faster`): on a Zen 5 the several-column kernel
+        A Q8_0, Q4_K, Q5_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies
+        every column at once on our kernel of its type, where it runs (`q8_product`,
+        `kquant_product`). Else, where ggml's several-column kernel gives each column its
+        one-column numbers (`columns_agree`: Q8_0 here), the columns are multiplied
+        `together` by it, or the first alone and the others together, whichever runs faster
+        on this CPU (`Faster`): on a Zen 5 the several-column kernel
         read a weight from memory several times slower than the one-column one and about as
         fast from the cache, where the first product leaves it (4 one-row parts on one thread:
         46 against 57 ms for the talker's products); on a Xeon of family 6 model 207 all
