@@ -20,22 +20,23 @@ bit). The official semantics kept here: negative codes clamp to 0, the transpose
 convolutions trim (k - s) samples on the right only, the sliding window lets a query at t see
 keys t - window + 1 .. t, the output is clamped to [-1, 1].
 
-Layout and speed: activations are channel-major, [channels, time] float32, and every layer is
-a few products W @ X (`Matrix`): on our float32 kernel (`f32_product`) called directly on the
+Layout and speed: activations are channel-major, [channels, time] float32, and every layer is a
+few products W @ X (`Matrix`): on our float32 kernel (`f32_product`) called directly on the
 layers' own buffers where it runs; else, for the layers of few columns per frame (the early
-stages: reading the weights is their cost), in ggml graphs, which read the weights in place,
-where OpenBLAS first packs them, and for the others on numpy's BLAS, one frame's columns at a
-time (weights on the left is the fast orientation). A convolution tap is a shifted column view
-of the layer's context buffer, which the producer writes into directly. Several streams'
-activations are [channels, time * streams], stream index fastest, so that a tap stays one
-column view and each multiplication reads its weights once for all the streams: the layers
-whose weights are large and columns few (up to the second decoder block, `JOINT_BLOCKS`) run
-so, on the streams' states stacked for the call; the later blocks run per stream. Each push
-sets its own BLAS thread count (threadpoolctl; one by default, whatever numpy's setting): the
-GEMMs are many and small, and OpenBLAS' threads spin after each one, taking the core that
-ggml's threads need (a second BLAS thread made the talker's next step ~2x slower, and
-synthesis of the tiny test models 30-80x). The products in ggml graphs run on one thread
-(`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec MMPROJ` measures ms per frame.
+stages: reading the weights is their cost) and those that several streams share, in ggml
+graphs, which read the weights in place, where OpenBLAS first packs them, and for the others on
+numpy's BLAS, one frame's columns at a time (weights on the left is the fast orientation). A
+convolution tap is a shifted column view of the layer's context buffer, which the producer
+writes into directly. Several streams' activations are [channels, time * streams], stream index
+fastest, so that a tap stays one column view and each multiplication reads its weights once for
+all the streams: the layers whose weights are large and columns few (up to the second decoder
+block, `JOINT_BLOCKS`) run so, on the streams' states stacked for the call; the later blocks
+run per stream. Each push sets its own BLAS thread count (threadpoolctl; one by default,
+whatever numpy's setting): the GEMMs are many and small, and OpenBLAS' threads spin after each
+one, taking the core that ggml's threads need (a second BLAS thread made the talker's next step
+~2x slower, and synthesis of the tiny test models 30-80x). The products in ggml graphs run on
+one thread (`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec MMPROJ` measures ms
+per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -189,7 +190,8 @@ class Matrix:
     `panels`, for inputs whose columns each hold contiguous numbers (`column_major`: Winograd's
     planes) and for few columns a frame (the weights stream from memory faster so), or W in
     place, for the others. Else on ggml's graphs once `allocator` is set (few columns per frame:
-    they read W in place, where OpenBLAS first packs it), whose several-column kernel gives the
+    they read W in place, where OpenBLAS first packs it; and the columns of several streams at
+    once), whose several-column kernel gives the
     same numbers for any count of at least two, its one-column kernel others, so a layer of one
     column per frame (`by_column`) takes every column through the one-column kernel (ggml does
     when the columns are not contiguous: they are read with a row of padding); or on numpy's
@@ -902,12 +904,13 @@ class CodecDecoder:
             if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
         kernel = f32_product.chosen()
-        for matrix, columns in self.matrices().values():
+        per_stream = self._per_stream_matrices()
+        for key, (matrix, columns) in self.matrices().items():
             if kernel is not None:
                 matrix.multiply_directly(kernel, panels=matrix.column_major or columns < PANEL_COLUMNS)
             else:
                 matrix.widen()
-                if columns <= GGML_COLUMNS:
+                if columns <= GGML_COLUMNS or key not in per_stream:
                     matrix.allocator, matrix.by_column = self._allocator, columns == 1
             if not matrix.panels:  # the weights used in place: the first frame is heard first
                 prefault(matrix.array)
@@ -1066,6 +1069,16 @@ class CodecDecoder:
         for matrix, columns in self.products():
             most[id(matrix)] = matrix, max(columns, most.get(id(matrix), (matrix, 0))[1])
         return most
+
+    def _per_stream_matrices(self) -> set[int]:
+        """The ids of the matrices that `push_many` multiplies stream by stream (`_render`). The
+        others multiply all the streams' columns at once, so not on numpy's BLAS, whose numbers
+        for a column depend on the columns beside it (OpenBLAS' Haswell kernels do even where
+        its SkylakeX ones do not): on ggml's graphs, however many columns a frame they take."""
+        blocks = self.blocks[JOINT_BLOCKS:]
+        convs = [c for block in blocks for unit in block.units for c in (unit.conv1, unit.conv2)]
+        ids = {id(block.up.w) for block in blocks}
+        return ids | {id(m) for conv in (*convs, self.post_conv) for m, _ in conv.calls(1)}
 
     def _convs(self) -> Iterator[CausalConv]:
         yield from (self.pre_conv, self.entry, self.post_conv)
