@@ -189,14 +189,13 @@ class Matrix:
     (`multiply_directly`), called on the caller's buffers, its numbers never do: W copied into
     `panels`, for inputs whose columns each hold contiguous numbers (`column_major`: Winograd's
     planes) and for few columns a frame (the weights stream from memory faster so), or W in
-    place, for the others. Else on ggml's graphs once `allocator` is set (few columns per frame:
-    they read W in place, where OpenBLAS first packs it; and the columns of several streams at
-    once), whose several-column kernel gives the
-    same numbers for any count of at least two, its one-column kernel others, so a layer of one
-    column per frame (`by_column`) takes every column through the one-column kernel (ggml does
-    when the columns are not contiguous: they are read with a row of padding); or on numpy's
-    BLAS, whose numbers depend on the count: the decoder calls those layers with one frame's
-    columns at a time."""
+    place, for the others. Else on ggml's graphs once `allocator` is set (few columns per
+    frame: they read W in place, where OpenBLAS first packs it; and the columns of several
+    streams at once), whose several-column kernel gives the same numbers for any count of at
+    least two, its one-column kernel others, so a layer of one column per frame (`by_column`)
+    takes every column through the one-column kernel (ggml does when the columns are not
+    contiguous: they are read with a row of padding); or on numpy's BLAS, whose numbers depend
+    on the count: the decoder calls those layers with one frame's columns at a time."""
 
     def __init__(self, w: np.ndarray, column_major: bool = False) -> None:
         # W, or its panels. Float16 as the file stores it until the load places it: its panels
@@ -592,6 +591,11 @@ class DecoderBlock:
         w = w.reshape(-1, len(b), w.shape[-1])
         self.up = CausalTransConv(w, b, stride=w.shape[-1] // 2)
         self.units = [ResidualUnit(f, bid, xid, d) for xid, d in enumerate(DILATIONS)]
+
+    @property
+    def convs(self) -> list[CausalConv]:
+        """Its residual units' convolutions, in order."""
+        return [conv for unit in self.units for conv in (unit.conv1, unit.conv2)]
 
     def new_state(self) -> tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]:
         return self.up.new_state(), [unit.new_state() for unit in self.units]
@@ -1058,7 +1062,7 @@ class CodecDecoder:
         for block in self.blocks:
             yield block.up.w, rate
             rate *= block.up.s
-            for conv in (c for unit in block.units for c in (unit.conv1, unit.conv2)):
+            for conv in block.convs:
                 yield from conv.calls(rate)
         yield from self.post_conv.calls(rate)
 
@@ -1076,14 +1080,13 @@ class CodecDecoder:
         for a column depend on the columns beside it (OpenBLAS' Haswell kernels do even where
         its SkylakeX ones do not): on ggml's graphs, however many columns a frame they take."""
         blocks = self.blocks[JOINT_BLOCKS:]
-        convs = [c for block in blocks for unit in block.units for c in (unit.conv1, unit.conv2)]
-        ids = {id(block.up.w) for block in blocks}
-        return ids | {id(m) for conv in (*convs, self.post_conv) for m, _ in conv.calls(1)}
+        convs = [conv for block in blocks for conv in block.convs] + [self.post_conv]
+        return {id(block.up.w) for block in blocks} | {id(m) for conv in convs for m, _ in conv.calls(1)}
 
     def _convs(self) -> Iterator[CausalConv]:
         yield from (self.pre_conv, self.entry, self.post_conv)
         for block in self.blocks:
-            yield from (conv for unit in block.units for conv in (unit.conv1, unit.conv2))
+            yield from block.convs
 
     @cached_property
     def macs_per_frame(self) -> int:

@@ -446,7 +446,7 @@ class Qwen3LM:
             if n < p.span:  # contiguous for several rows: ggml's several-column kernel wants it
                 weights = g.view(scores, (n, p.n, cfg.num_heads), snb[1:3], first * snb[0])
                 weights = g.cont(weights) if p.n > 1 else weights
-            piece = _cache_product(g, values, weights, p.n)
+            piece = _cache_product(g, values, weights)
             out = piece if out is None else g.add(out, piece)
         assert out is not None
         return out
@@ -527,16 +527,16 @@ class Qwen3LM:
             first, span, count = parts[0], parts[0].span, len(parts)
             keys = g.view(k_cache, (hd, span, kvh, count), (knb[1], hd * knb[0], knb[2]), first.slot * knb[2])
             rows = g.view(q, (hd, 1, heads, count), (qnb[2], qnb[1], qnb[2]), first.start * qnb[2])
-            scores = g.soft_max(_cache_product(g, keys, rows, 1), first.mask, 1.0 / math.sqrt(hd))
+            scores = g.soft_max(_cache_product(g, keys, rows), first.mask, 1.0 / math.sqrt(hd))
             v_nb = (vnb[1], hd * vnb[1], vnb[3])  # a V block: [position, kv_dim], the slots apart
             values = g.view(v_cache, (span, hd, kvh, count), v_nb, first.slot * vnb[3])
-            return g.reshape(_cache_product(g, values, scores, 1), hd * heads, count)  # [hd, 1, heads, count]
+            return g.reshape(_cache_product(g, values, scores), hd * heads, count)  # [hd, 1, heads, count]
         attended = []
         for p in parts:
             keys = g.view(k_cache, (hd, p.span, kvh), (knb[1], hd * knb[0]), p.slot * knb[2])
             # [hd, rows, heads]: a kv head serves `heads / kvh` query heads (ggml broadcasts)
             rows = g.view(q, (hd, p.n, heads), (qnb[2], qnb[1]), p.start * qnb[2])
-            scores = g.soft_max(_cache_product(g, keys, rows, p.n), p.mask, 1.0 / math.sqrt(hd))
+            scores = g.soft_max(_cache_product(g, keys, rows), p.mask, 1.0 / math.sqrt(hd))
             out = self._attended(g, v_cache, scores, p)  # [hd, rows, heads]
             if p.n > 1:
                 out = g.cont(g.permute(out, 0, 2, 1, 3))
@@ -544,7 +544,7 @@ class Qwen3LM:
         return g.join(attended)
 
 
-def _cache_product(g: Graph, cache: Tensor, rows: Tensor, n: int) -> Tensor:
-    """A product of a KV cache's view with a part's `n` rows: a step's (one row) on our kernel
-    where it runs (`kv_product`), a prefill's on ggml's (a matrix product, which it does well)."""
-    return kv_product.product(g, cache, rows) if n == 1 else g.mul_mat(cache, rows)
+def _cache_product(g: Graph, cache: Tensor, rows: Tensor) -> Tensor:
+    """A product of a KV cache's view with a part's rows: a step's (one row) on our kernel where
+    it runs (`kv_product`), a prefill's on ggml's (a matrix product, which it does well)."""
+    return kv_product.product(g, cache, rows) if dims(rows)[1] == 1 else g.mul_mat(cache, rows)
