@@ -631,7 +631,9 @@ _terminated = False
 
 def _on_sigterm(signum: int, frame: object) -> None:
     """SIGTERM stops the command as Ctrl-C does (trio handles SIGINT at a safe point; the file
-    writer keeps the audio so far), then exits with 143."""
+    writer keeps the audio so far), then exits with 143. Both work however we were started: a
+    shell without job control starts background commands with SIGINT ignored, which would
+    leave SIGTERM nothing to stop (`main` catches SIGINT again)."""
     global _terminated
     _terminated = True
     os.kill(os.getpid(), signal.SIGINT)
@@ -653,6 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = subcommand_parser() if argv and argv[0] in SUBCOMMANDS else speak_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # trio's handler replaces only this
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)

@@ -14,15 +14,18 @@ import pytest
 FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}  # SIGABRT dumps every thread's stack to stderr
 
 
-def exit_status(proc: subprocess.Popen, sig: signal.Signals) -> int:
-    """The exit status of a process started with `FAULTHANDLER` in its env that was sent
-    `sig`, within a minute; else the test fails with where its threads wait (stderr piped)."""
+def signalled(proc: subprocess.Popen, sig: signal.Signals) -> tuple[int, bytes, bytes]:
+    """Send `sig` to a process started with `FAULTHANDLER` in its env: its exit status and what
+    it wrote from then on (stdout and stderr, where piped), within a minute; else the test
+    fails with where its threads wait (stderr piped)."""
+    proc.send_signal(sig)
     try:
-        return proc.wait(timeout=60)
+        out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)
         _, err = proc.communicate(timeout=30)
         pytest.fail(f"still running 60 s after {sig.name}:\n{err.decode(errors='replace')[-8000:]}")
+    return proc.returncode, out or b"", err or b""
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 from audio import align, correlation, gain
-from processes import FAULTHANDLER, exit_status
+from processes import FAULTHANDLER, signalled
 
 from kazeia_stream.stages.playback import AudioPlayer
 
@@ -82,10 +82,8 @@ def test_a_signal_during_live_playback_stops_it_in_one_line(pulse_null_sink, mod
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not np.any(np.abs(rec.samples()) > 1e-3):
             time.sleep(0.05)  # until the speech is heard
-        proc.send_signal(sig)
-        assert exit_status(proc, sig) == code
-    err = proc.stderr.read().decode().strip()
-    assert err == f"kazeia-stream: {word}"
+        rc, _, err = signalled(proc, sig)
+    assert rc == code and err.decode().strip() == f"kazeia-stream: {word}", err
 
 
 async def test_barge_in_silences_the_sound_card_within_100_ms(pulse_null_sink, tiny_runtime):
