@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
+import os
 import shutil
 import sys
 import weakref
+from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -39,8 +43,8 @@ def weights_way(request, monkeypatch):
     return request.param
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
+def _mapping_field(address: int, field: str) -> list[str]:
+    """A field of the mapping that holds `address` (/proc/self/smaps), e.g. VmFlags."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -48,7 +52,7 @@ def _vm_flags(address: int) -> list[str]:
             if "-" in head and ":" not in head:
                 first, last = (int(a, 16) for a in head.split("-"))
                 inside = first <= address < last
-            elif inside and head == "VmFlags:":
+            elif inside and head == f"{field}:":
                 return line.split()[1:]
     raise AssertionError("no mapping holds the address")
 
@@ -66,7 +70,85 @@ def test_weights_hold_the_file_s_bytes_either_way(tiny_gguf, weights_way):
             in_mapping = talker.mapping.ctypes.data <= data < talker.mapping.ctypes.data + len(talker.mapping)
             assert in_mapping != weights_way
             if weights_way and sys.platform == "linux":
-                assert "hg" in _vm_flags(data)  # madvise(MADV_HUGEPAGE)
+                assert "hg" in _mapping_field(data, "VmFlags")  # madvise(MADV_HUGEPAGE)
+    finally:
+        weights.close()
+
+
+BIG = np.arange(2048 * 4096, dtype=np.float32).reshape(2048, 4096)  # 32 MB: 16 huge pages
+
+
+def _big_gguf(path: Path) -> Path:
+    """A GGUF file of one 32 MB tensor, written and then out of the page cache."""
+    writer = gguf.GGUFWriter(str(path), "test")
+    writer.add_tensor("w", BIG)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # only clean pages leave
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _pmd_mapped(address: int) -> int:
+    """Bytes of the file's mapping that holds `address` mapped on huge pages."""
+    return int(_mapping_field(address, "FilePmdMapped")[0]) * 1024
+
+
+def _read_mapped(path: Path, advice: int) -> int:
+    """Read every page of `path` through a mapping of it given `advice` (madvise): the bytes
+    that were then mapped on huge pages."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        m.madvise(advice)
+        view = np.frombuffer(m, np.uint8)
+        int(view[:: mmap.PAGESIZE].sum())
+        huge = _pmd_mapped(view.ctypes.data)
+        del view  # before the mapping closes
+    return huge
+
+
+@pytest.fixture(scope="module")
+def huge_file_pages(tmp_path_factory) -> None:
+    """Skips where this kernel, or the file system the tests write to, maps no file on huge
+    pages (without `Weights`: a mapping that asks for them, over a file out of the cache)."""
+    if not ggml_graph.huge_pages():
+        pytest.skip("no transparent huge pages")
+    if not _read_mapped(_big_gguf(tmp_path_factory.mktemp("probe") / "probe.gguf"), mmap.MADV_HUGEPAGE):
+        pytest.skip("no huge pages for a file's mapping here")
+
+
+def test_weights_stay_in_place_where_the_page_cache_holds_them_on_huge_pages(tmp_path, huge_file_pages):
+    f = GGUFFile(_big_gguf(tmp_path / "big.gguf"))
+    weights = Weights(f, {"w": "w"})
+    try:
+        data, size = ggml.ggml_get_data(weights["w"]), f.span("w")[1]
+        assert not weights.copied and data == f.mapping.ctypes.data + f.span("w")[0]
+        assert _pmd_mapped(data) >= ggml_graph.IN_PLACE_HUGE_SHARE * size
+        held = np.frombuffer((ctypes.c_uint8 * size).from_address(data), np.float32)
+        np.testing.assert_array_equal(held, BIG.reshape(-1))
+    finally:
+        weights.close()
+
+
+@pytest.mark.skipif(not ggml_graph.huge_pages(), reason="no transparent huge pages")
+def test_weights_the_page_cache_holds_in_small_pieces_are_copied_and_unmapped(tmp_path):
+    """Copied onto huge pages of our own, and not counted twice: the file's pages this read
+    mapped to look are unmapped again."""
+    path = _big_gguf(tmp_path / "big.gguf")
+    assert not _read_mapped(path, mmap.MADV_RANDOM)  # a page a fault: the cache in 4 KiB pieces
+    f = GGUFFile(path)
+    weights = Weights(f, {"w": "w"})
+    try:
+        data, size = ggml.ggml_get_data(weights["w"]), f.span("w")[1]
+        assert weights.copied and "hg" in _mapping_field(data, "VmFlags")
+        assert int(_mapping_field(f.mapping.ctypes.data, "Rss")[0]) * 1024 < size / 100
+        held = np.frombuffer((ctypes.c_uint8 * size).from_address(data), np.float32)
+        np.testing.assert_array_equal(held, BIG.reshape(-1))
     finally:
         weights.close()
 

@@ -1,6 +1,6 @@
-"""Graphs of our own on the bundled libggml: weights read from the GGUF file onto huge pages
-(or used in place in its mapping), state in memory we own, and graphs built once per shape and
-replayed.
+"""Graphs of our own on the bundled libggml: weights on huge pages (in place in the GGUF
+file's mapping, or read into memory of our own), state in memory we own, and graphs built once
+per shape and replayed.
 
 libllama builds a graph, schedules it and copies its outputs at every decode (for the code
 predictor's 15 small passes per frame that overhead was a large part of the work), and it
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from itertools import accumulate
@@ -29,6 +30,8 @@ Tensor = int  # the address of a struct ggml_tensor
 GGML_ROPE_TYPE_NEOX = 2
 _ALIGN = 64  # where each tensor of our own memory starts (ggml asks for 32 bytes)
 MADV_POPULATE_READ = 22  # Linux 5.14
+# weights stay in place in a file's mapping where at least this share of them is on huge pages
+IN_PLACE_HUGE_SHARE = 0.9
 _NUMPY = {QType.F32: np.float32, QType.F16: np.float16, QType.I32: np.int32, QType.I64: np.int64}
 
 
@@ -161,16 +164,17 @@ class Memory(_Tensors):
 
 
 class Weights(_Tensors):
-    """A model's weights as ggml tensors of their stored types: read from the GGUF file into
-    memory of our own on transparent huge pages where the kernel gives them (`huge_pages`),
-    else in place in the file's read-only mapping (no copy: the page cache holds them); and
-    the ones converted at load in memory of our own (`Memory`).
+    """A model's weights as ggml tensors of their stored types, on transparent huge pages
+    where the kernel gives them (`huge_pages`): in place in the GGUF file's read-only mapping
+    where the page cache holds them in huge pieces (`_in_place_on_huge_pages`), else read into
+    memory of our own; without huge pages, in place. The ones converted at load are in memory
+    of our own (`Memory`).
 
     The engines read every weight once a step, and a read through 4 KiB pages is slower: the
     code predictor's passes alone took 50 ms a frame on two threads from a mapping of 4 KiB
-    pages, 40 from huge pages (Zen 4; README, "Measured"). A file's mapping gets huge pages
-    only where the page cache holds the file in large enough pieces, which depends on the
-    kernel, the file system and how the file came to be cached."""
+    pages, 40 from huge pages (Zen 4; README, "Measured"). In place costs no copy, no fresh
+    memory (on a virtual machine fresh huge pages can be slow to fault in: 0.5-0.8 s for a
+    0.6B talker on Zen 1), and processes on the same file share it."""
 
     def __init__(
         self,
@@ -182,7 +186,7 @@ class Weights(_Tensors):
         that type stores it, shaped as the tensor in numpy order, quantized rows as bytes)."""
         self._file = f.mapping
         self.spans = [f.span(src) for src in mapped.values()]  # (offset, size) in the file
-        if huge_pages():
+        if huge_pages() and not _in_place_on_huge_pages(f.mapping, self.spans):
             starts = list(accumulate((-(-size // _ALIGN) * _ALIGN for _, size in self.spans), initial=0))
             self._bytes = _on_huge_pages(max(1, starts.pop()))
             for src, (_, size), at in zip(mapped.values(), self.spans, starts):
@@ -240,6 +244,57 @@ def _on_huge_pages(size: int) -> np.ndarray:
     return np.frombuffer(memory, np.uint8)
 
 
+def _in_place_on_huge_pages(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether the bytes at `spans` of a file's whole mapping, resident now, lie on huge pages
+    (`IN_PLACE_HUGE_SHARE` of them at least). They do where the page cache holds the file in
+    huge pieces: where it did not hold it yet, the kernel reads it so for a mapping that asks
+    (madvise MADV_HUGEPAGE; Linux 6.18 on ext4 does), from the first huge page a read
+    faults in on (so each span is read from its first whole huge page on: one that holds
+    pages read before, the header's, had the kernel read all the rest in small pieces); where
+    it holds it in small pieces (a file just written, or read in small reads), they do not,
+    and are unmapped again (the page cache keeps them)."""
+    start, size, huge = mapping.ctypes.data, len(mapping), _huge_page_size()
+    _madvise(start, size, mmap.MADV_HUGEPAGE)
+    resident = True
+    for offset, n in spans:  # from its first huge page on, then its head; never to SIGBUS
+        cut = min(offset + n, -(-offset // huge) * huge)
+        resident = resident and _populate(mapping[cut : offset + n]) and _populate(mapping[offset:cut])
+    if resident and _huge_bytes(start) >= IN_PLACE_HUGE_SHARE * sum(n for _, n in spans):
+        return True
+    _madvise(start, size, mmap.MADV_DONTNEED)
+    return False
+
+
+@cache
+def _huge_page_size() -> int:
+    """Bytes of a transparent huge page (2 MiB on x86-64)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+_AREA = re.compile(r"([0-9a-f]+)-([0-9a-f]+) ")
+
+
+def _huge_bytes(address: int) -> int:
+    """Bytes of the file's mapping around `address` that are mapped on huge pages (Linux'
+    /proc/self/smaps: FilePmdMapped); 0 where that cannot be read."""
+    try:
+        with open("/proc/self/smaps") as f:
+            smaps = f.read()
+    except OSError:
+        return 0
+    inside = False
+    for line in smaps.splitlines():
+        if area := _AREA.match(line):
+            inside = int(area[1], 16) <= address < int(area[2], 16)
+        elif inside and line.startswith("FilePmdMapped:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 @cache
 def _libc() -> ctypes.CDLL | None:
     try:
@@ -253,18 +308,23 @@ def prefault(data: np.ndarray) -> None:
     the file if it is not there), so that its first use does not take page faults over all of
     them (the kernel maps 16 pages a fault there). Memory already resident costs a walk of its
     page table."""
-    page = mmap.PAGESIZE
-    start = data.ctypes.data // page * page
-    if not _populate(start, data.ctypes.data + data.nbytes - start):
-        int(data.reshape(-1).view(np.uint8)[::page].sum())  # touch a byte per page
+    if not _populate(data):
+        int(data.reshape(-1).view(np.uint8)[:: mmap.PAGESIZE].sum())  # touch a byte per page
 
 
-def _populate(address: int, size: int) -> bool:
-    """madvise(MADV_POPULATE_READ) (Linux 5.14): whether the kernel mapped the pages."""
+def _populate(data: np.ndarray) -> bool:
+    """madvise(MADV_POPULATE_READ) (Linux 5.14) over the pages of contiguous data: whether the
+    kernel mapped them all (not where the file no longer holds them)."""
+    start = data.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    return _madvise(start, data.ctypes.data + data.nbytes - start, MADV_POPULATE_READ)
+
+
+def _madvise(address: int, size: int, advice: int) -> bool:
+    """madvise(2) on pages of ours (MADV_POPULATE_READ: Linux 5.14): whether the kernel took it."""
     libc = _libc()
     if libc is None:
         return False
-    return bool(libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_READ) == 0)
+    return bool(libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), advice) == 0)
 
 
 def _logical(qtype: QType, stored: tuple[int, ...]) -> tuple[int, ...]:
