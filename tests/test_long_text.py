@@ -37,6 +37,12 @@ def segments(runtime) -> list[str]:
     return split_text(PAGE, runtime.max_segment_bytes(probe))
 
 
+@pytest.fixture(scope="module")
+def page_audio(runtime) -> np.ndarray:
+    """The page spoken by the API as a session would speak it (text streamed in, seed 2)."""
+    return runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)[0]
+
+
 def frames_per_segment(n_frames: int, n_segments: int) -> bool:
     """The capped model speaks 2 or 3 frames per utterance (EOS is masked for 2), so a page
     spoken whole gives 2-3 frames per segment; as one utterance it would give 3 at most."""
@@ -52,16 +58,14 @@ def test_a_page_is_split_at_sentences_into_utterances_that_fit_the_talker(runtim
         assert len(prompt.prefill) + 8 * prompt.n_text_tokens <= talker_ctx
 
 
-def test_the_api_speaks_every_segment(runtime, segments):
-    audio, _ = runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)
-    assert len(audio) % FRAME == 0 and frames_per_segment(len(audio) // FRAME, len(segments))
+def test_the_api_speaks_every_segment(runtime, segments, page_audio):
+    n = len(page_audio)
+    assert n % FRAME == 0 and frames_per_segment(n // FRAME, len(segments))
     again, _ = runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)
-    assert np.array_equal(audio, again)
+    assert np.array_equal(page_audio, again)
 
 
-async def test_a_session_speaks_every_segment_back_to_back(runtime, segments):
-    offline, _ = runtime.synthesize(PAGE, voice="ryan", seed=2, text_streaming=True)
-
+async def test_a_session_speaks_every_segment_back_to_back(runtime, segments, page_audio):
     async def llm():
         for i in range(0, len(PAGE), 37):
             yield PAGE[i : i + 37]
@@ -72,7 +76,7 @@ async def test_a_session_speaks_every_segment_back_to_back(runtime, segments):
             utterance = tts.speak(text)
             chunks = [c async for c in utterance]
             pcm = np.concatenate([c.pcm for c in chunks])
-            assert np.array_equal(pcm, offline)
+            assert np.array_equal(pcm, page_audio)
             indices = [c.frame_index for c in chunks]
             assert indices == sorted(indices) and utterance.metrics.frames == len(pcm) // FRAME
 
