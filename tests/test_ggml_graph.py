@@ -135,10 +135,21 @@ def test_weights_stay_in_place_where_the_page_cache_holds_them_on_huge_pages(tmp
         weights.close()
 
 
-@pytest.mark.skipif(not ggml_graph.huge_pages(), reason="no transparent huge pages")
-def test_weights_the_page_cache_holds_in_small_pieces_are_copied_and_unmapped(tmp_path):
-    """Copied onto huge pages of our own, and not counted twice: the file's pages this read
-    mapped to look are unmapped again."""
+def _cached_pages(path: Path) -> int:
+    """Pages of the file the page cache holds (mincore)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = np.frombuffer(m, np.uint8)
+        pages = (ctypes.c_ubyte * -(-len(m) // mmap.PAGESIZE))()
+        libc = ctypes.CDLL(None)
+        assert libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(m)), pages) == 0
+        del view  # before the mapping closes
+    return sum(page & 1 for page in pages)
+
+
+def test_weights_cached_in_small_pieces_are_copied_then_kept_in_place(tmp_path, huge_file_pages):
+    """Copied onto huge pages of our own, and not held twice: the file's pages this load
+    mapped to look are unmapped again, and the page cache lets go of them, so that the next
+    load reads them in huge pieces and keeps them in place."""
     path = _big_gguf(tmp_path / "big.gguf")
     assert not _read_mapped(path, mmap.MADV_RANDOM)  # a page a fault: the cache in 4 KiB pieces
     f = GGUFFile(path)
@@ -147,10 +158,16 @@ def test_weights_the_page_cache_holds_in_small_pieces_are_copied_and_unmapped(tm
         data, size = ggml.ggml_get_data(weights["w"]), f.span("w")[1]
         assert weights.copied and "hg" in _mapping_field(data, "VmFlags")
         assert int(_mapping_field(f.mapping.ctypes.data, "Rss")[0]) * 1024 < size / 100
+        assert _cached_pages(path) < size / mmap.PAGESIZE / 100
         held = np.frombuffer((ctypes.c_uint8 * size).from_address(data), np.float32)
         np.testing.assert_array_equal(held, BIG.reshape(-1))
     finally:
         weights.close()
+    again = Weights(GGUFFile(path), {"w": "w"})
+    try:
+        assert not again.copied and _pmd_mapped(ggml.ggml_get_data(again["w"])) >= 0.9 * size
+    finally:
+        again.close()
 
 
 def test_a_file_cut_short_after_it_was_checked_is_a_model_file_error(tiny_gguf, tmp_path, monkeypatch):
