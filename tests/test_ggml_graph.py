@@ -100,13 +100,13 @@ def _pmd_mapped(address: int) -> int:
     return int(_mapping_field(address, "FilePmdMapped")[0]) * 1024
 
 
-def _read_mapped(path: Path, advice: int) -> int:
-    """Read every page of `path` through a mapping of it given `advice` (madvise): the bytes
-    that were then mapped on huge pages."""
+def _read_mapped(path: Path, advice: int, start: int = 0) -> int:
+    """Read the pages of `path` from byte `start` on through a mapping of it given `advice`
+    (madvise): the bytes that were then mapped on huge pages."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         m.madvise(advice)
         view = np.frombuffer(m, np.uint8)
-        int(view[:: mmap.PAGESIZE].sum())
+        int(view[start :: mmap.PAGESIZE].sum())
         huge = _pmd_mapped(view.ctypes.data)
         del view  # before the mapping closes
     return huge
@@ -146,26 +146,49 @@ def _cached_pages(path: Path) -> int:
     return sum(page & 1 for page in pages)
 
 
-def test_weights_cached_in_small_pieces_are_copied_then_kept_in_place(tmp_path, huge_file_pages):
-    """Copied onto huge pages of our own, and not held twice: the file's pages this load
-    mapped to look are unmapped again, and the page cache lets go of them, so that the next
-    load reads them in huge pieces and keeps them in place."""
+def _held(weights: Weights, f: GGUFFile) -> np.ndarray:
+    """The bytes of `weights`' tensor "w", as float32."""
+    size = f.span("w")[1]
+    return np.frombuffer((ctypes.c_uint8 * size).from_address(ggml.ggml_get_data(weights["w"])), np.float32)
+
+
+@pytest.mark.skipif(not ggml_graph.huge_pages(), reason="no transparent huge pages")
+def test_weights_cached_in_small_pieces_are_copied_and_not_held_twice(tmp_path):
+    """Copied onto huge pages of our own; the file's pages this load mapped to look are
+    unmapped again, and the page cache keeps them (no sign that this file system would read
+    the file in huge pieces: dropped, it would be read again at every load)."""
     path = _big_gguf(tmp_path / "big.gguf")
     assert not _read_mapped(path, mmap.MADV_RANDOM)  # a page a fault: the cache in 4 KiB pieces
     f = GGUFFile(path)
     weights = Weights(f, {"w": "w"})
     try:
-        data, size = ggml.ggml_get_data(weights["w"]), f.span("w")[1]
-        assert weights.copied and "hg" in _mapping_field(data, "VmFlags")
+        size = f.span("w")[1]
+        assert weights.copied and "hg" in _mapping_field(ggml.ggml_get_data(weights["w"]), "VmFlags")
         assert int(_mapping_field(f.mapping.ctypes.data, "Rss")[0]) * 1024 < size / 100
-        assert _cached_pages(path) < size / mmap.PAGESIZE / 100
-        held = np.frombuffer((ctypes.c_uint8 * size).from_address(data), np.float32)
-        np.testing.assert_array_equal(held, BIG.reshape(-1))
+        assert _cached_pages(path) >= size // mmap.PAGESIZE
+        np.testing.assert_array_equal(_held(weights, f), BIG.reshape(-1))
     finally:
         weights.close()
-    again = Weights(GGUFFile(path), {"w": "w"})
+
+
+def test_weights_cached_partly_in_small_pieces_are_copied_then_kept_in_place(tmp_path, huge_file_pages):
+    """Some on huge pages, the rest in small pieces: copied, and the page cache lets go of the
+    file, so that the next load reads it in huge pieces and keeps them in place."""
+    path = _big_gguf(tmp_path / "big.gguf")
+    half = _read_mapped(path, mmap.MADV_HUGEPAGE, start=BIG.nbytes // 2)
+    assert half and _read_mapped(path, mmap.MADV_RANDOM) == half  # the first half in 4 KiB pieces
+    f = GGUFFile(path)
+    weights = Weights(f, {"w": "w"})
     try:
-        assert not again.copied and _pmd_mapped(ggml.ggml_get_data(again["w"])) >= 0.9 * size
+        assert weights.copied and _cached_pages(path) < f.span("w")[1] / mmap.PAGESIZE / 100
+        np.testing.assert_array_equal(_held(weights, f), BIG.reshape(-1))
+    finally:
+        weights.close()
+    f = GGUFFile(path)
+    again = Weights(f, {"w": "w"})
+    try:
+        assert not again.copied and _pmd_mapped(ggml.ggml_get_data(again["w"])) >= 0.9 * BIG.nbytes
+        np.testing.assert_array_equal(_held(again, f), BIG.reshape(-1))
     finally:
         again.close()
 

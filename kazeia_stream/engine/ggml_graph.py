@@ -167,8 +167,8 @@ class Memory(_Tensors):
 class Weights(_Tensors):
     """A model's weights as ggml tensors of their stored types, on transparent huge pages
     where the kernel gives them (`huge_pages`): in place in the GGUF file's read-only mapping
-    where the page cache holds them in huge pieces (`_in_place_on_huge_pages`), else read into
-    memory of our own; without huge pages, in place. The ones converted at load are in memory
+    where the page cache holds them in huge pieces (`_huge_share`), else read into memory of
+    our own; without huge pages, in place. The ones converted at load are in memory
     of our own (`Memory`).
 
     The engines read every weight once a step, and a read through 4 KiB pages is slower: the
@@ -187,12 +187,15 @@ class Weights(_Tensors):
         that type stores it, shaped as the tensor in numpy order, quantized rows as bytes)."""
         self._file = f.mapping
         self.spans = [f.span(src) for src in mapped.values()]  # (offset, size) in the file
-        if huge_pages() and not _in_place_on_huge_pages(f.mapping, self.spans):
+        share = _huge_share(f.mapping, self.spans) if huge_pages() else 1.0
+        if share < IN_PLACE_HUGE_SHARE:
+            _madvise(self._file.ctypes.data, len(self._file), mmap.MADV_DONTNEED)  # not held twice
             starts = list(accumulate((-(-size // _ALIGN) * _ALIGN for _, size in self.spans), initial=0))
             self._bytes = _on_huge_pages(max(1, starts.pop()))
             for src, (_, size), at in zip(mapped.values(), self.spans, starts):
                 f.read_into(src, self._bytes[at : at + size])
-            _drop_cached(f)
+            if share > 0:  # the kernel reads this file in huge pieces
+                _drop_cached(f)
         else:
             self._bytes, starts = self._file, [offset for offset, _ in self.spans]
         base = self._bytes.ctypes.data
@@ -246,25 +249,22 @@ def _on_huge_pages(size: int) -> np.ndarray:
     return np.frombuffer(memory, np.uint8)
 
 
-def _in_place_on_huge_pages(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> bool:
-    """Whether the bytes at `spans` of a file's whole mapping, resident now, lie on huge pages
-    (`IN_PLACE_HUGE_SHARE` of them at least). They do where the page cache holds the file in
-    huge pieces: where it did not hold it yet, the kernel reads it so for a mapping that asks
-    (madvise MADV_HUGEPAGE; Linux 6.18 on ext4 does), from the first huge page a read
-    faults in on (so each span is read from its first whole huge page on: one that holds
-    pages read before, the header's, had the kernel read all the rest in small pieces); where
-    it holds it in small pieces (a file just written, or read in small reads), they do not,
-    and are unmapped again."""
-    start, size, huge = mapping.ctypes.data, len(mapping), _huge_page_size()
-    _madvise(start, size, mmap.MADV_HUGEPAGE)
-    resident = True
+def _huge_share(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> float:
+    """The share of the bytes at `spans` of a file's whole mapping, resident now, that lie on
+    huge pages (0 where they could not all be mapped: the file was cut short). They do where
+    the page cache holds the file in huge pieces: where it did not hold it yet, the kernel
+    reads it so for a mapping that asks (madvise MADV_HUGEPAGE; Linux 6.18 on ext4 does), from
+    the first huge page a read faults in on (so each span is read from its first whole huge
+    page on: one that holds pages read before, the header's, had the kernel read all the rest
+    in small pieces); where it holds it in small pieces (a file just written, or read in small
+    reads), they do not."""
+    start, huge = mapping.ctypes.data, _huge_page_size()
+    _madvise(start, len(mapping), mmap.MADV_HUGEPAGE)
     for offset, n in spans:  # from its first huge page on, then its head; never to SIGBUS
         cut = min(offset + n, -(-offset // huge) * huge)
-        resident = resident and _populate(mapping[cut : offset + n]) and _populate(mapping[offset:cut])
-    if resident and _huge_bytes(start) >= IN_PLACE_HUGE_SHARE * sum(n for _, n in spans):
-        return True
-    _madvise(start, size, mmap.MADV_DONTNEED)
-    return False
+        if not (_populate(mapping[cut : offset + n]) and _populate(mapping[offset:cut])):
+            return 0.0
+    return _huge_bytes(start) / max(1, sum(n for _, n in spans))
 
 
 @cache
@@ -280,11 +280,12 @@ def _huge_page_size() -> int:
 def _drop_cached(f: GGUFFile) -> None:
     """Have the page cache drop a file whose weights were read into memory of our own
     (posix_fadvise POSIX_FADV_DONTNEED; it keeps the pages a mapping holds): a second copy of
-    them, in small pieces, so that the next load reads the file in huge pieces and keeps them
-    in place (`_in_place_on_huge_pages`), at the price of reading it again. The whole file:
-    beside pages cached in small pieces the kernel went on reading the weights so (a talker
-    whose text embedding was cached so got 110 of its 450 MB on huge pages, 450 once it was
-    not)."""
+    them, partly in small pieces, so that the next load reads the file in huge pieces and keeps
+    them in place (`_huge_share`), at the price of reading it again: only where some were on
+    huge pages (else the file system may not give them, and each load would read the file
+    again). The whole file: beside pages cached in small pieces the kernel went on reading
+    the weights so (a talker whose text embedding was cached so got 110 of its 450 MB on huge
+    pages, 450 once it was not)."""
     if hasattr(os, "posix_fadvise"):
         fd = os.open(f.path, os.O_RDONLY)
         try:
