@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import TokenType
+from page_cache import cached_pages
 
 import kazeia_stream
 from kazeia_stream.errors import ModelFileError, UsageError
@@ -351,6 +353,15 @@ def test_the_decoder_type_is_offered_on_the_command_line(tiny_checkpoint, tmp_pa
     assert mmproj.tensor_type(L.WAV_PRE_CONV + ".weight") == QType.F16
     bad = subprocess.run([*cmd, "--decoder", "q8_0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--decoder" in bad.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_the_pair_written_leaves_the_page_cache(tiny_checkpoint, tmp_path):
+    """Written back and dropped: the first load reads it afresh (in huge pieces, where the
+    weights ask for them; a file just written stays cached in small ones)."""
+    paths = convert(tiny_checkpoint("custom_voice"), tmp_path, "q8_0")
+    assert all(cached_pages(path) == 0 for path in paths)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
 
 
 @pytest.mark.parametrize("out_type", ["q4_k_m", "q5_k_m", "q6_k"])

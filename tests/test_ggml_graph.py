@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from page_cache import cached_pages
 
 from kazeia_stream.engine import ggml_graph
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Weights, products
@@ -38,7 +39,7 @@ def test_a_tensor_over_an_array_keeps_the_array_alive():
 
 @pytest.fixture(params=[True, False], ids=["huge pages", "mapped"])
 def weights_way(request, monkeypatch):
-    """Weights read onto huge pages, or left in the file's mapping (a kernel without them)."""
+    """Weights on huge pages (in place or copied), or in the file's mapping (a kernel without them)."""
     monkeypatch.setattr(ggml_graph, "huge_pages", lambda: request.param)
     return request.param
 
@@ -57,7 +58,7 @@ def _mapping_field(address: int, field: str) -> list[str]:
     raise AssertionError("no mapping holds the address")
 
 
-def test_weights_hold_the_file_s_bytes_either_way(tiny_gguf, weights_way):
+def test_weights_hold_the_file_s_bytes_every_way(tiny_gguf, weights_way):
     talker = GGUFFile(tiny_gguf("custom_voice", "q8_0")[0])
     names = [n for n in talker.tensor_names if n.endswith(("ffn_up.weight", "attn_norm.weight"))]
     weights = Weights(talker, {n: n for n in names})
@@ -68,8 +69,8 @@ def test_weights_hold_the_file_s_bytes_either_way(tiny_gguf, weights_way):
             held = np.frombuffer((ctypes.c_uint8 * size).from_address(data), np.uint8)
             np.testing.assert_array_equal(held, np.asarray(talker.raw(name)).view(np.uint8).reshape(-1))
             in_mapping = talker.mapping.ctypes.data <= data < talker.mapping.ctypes.data + len(talker.mapping)
-            assert in_mapping != weights_way
-            if weights_way and sys.platform == "linux":
+            assert in_mapping != weights.copied and (in_mapping or weights_way)
+            if weights_way and sys.platform == "linux":  # in place or copied
                 assert "hg" in _mapping_field(data, "VmFlags")  # madvise(MADV_HUGEPAGE)
     finally:
         weights.close()
@@ -135,17 +136,6 @@ def test_weights_stay_in_place_where_the_page_cache_holds_them_on_huge_pages(tmp
         weights.close()
 
 
-def _cached_pages(path: Path) -> int:
-    """Pages of the file the page cache holds (mincore)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = np.frombuffer(m, np.uint8)
-        pages = (ctypes.c_ubyte * -(-len(m) // mmap.PAGESIZE))()
-        libc = ctypes.CDLL(None)
-        assert libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(m)), pages) == 0
-        del view  # before the mapping closes
-    return sum(page & 1 for page in pages)
-
-
 def _held(weights: Weights, f: GGUFFile) -> np.ndarray:
     """The bytes of `weights`' tensor "w", as float32."""
     size = f.span("w")[1]
@@ -165,7 +155,7 @@ def test_weights_cached_in_small_pieces_are_copied_and_not_held_twice(tmp_path):
         size = f.span("w")[1]
         assert weights.copied and "hg" in _mapping_field(ggml.ggml_get_data(weights["w"]), "VmFlags")
         assert int(_mapping_field(f.mapping.ctypes.data, "Rss")[0]) * 1024 < size / 100
-        assert _cached_pages(path) >= size // mmap.PAGESIZE
+        assert cached_pages(path) >= size // mmap.PAGESIZE
         np.testing.assert_array_equal(_held(weights, f), BIG.reshape(-1))
     finally:
         weights.close()
@@ -180,7 +170,7 @@ def test_weights_cached_partly_in_small_pieces_are_copied_then_kept_in_place(tmp
     f = GGUFFile(path)
     weights = Weights(f, {"w": "w"})
     try:
-        assert weights.copied and _cached_pages(path) < f.span("w")[1] / mmap.PAGESIZE / 100
+        assert weights.copied and cached_pages(path) < f.span("w")[1] / mmap.PAGESIZE / 100
         np.testing.assert_array_equal(_held(weights, f), BIG.reshape(-1))
     finally:
         weights.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
@@ -25,7 +24,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from ..ggml_lib import GGMLCPlan, GGMLInitParams, GGMLTensor, ggml
-from ..model.gguf_file import GGUFFile
+from ..model.gguf_file import GGUFFile, drop_from_page_cache
 
 Tensor = int  # the address of a struct ggml_tensor
 GGML_ROPE_TYPE_NEOX = 2
@@ -175,7 +174,11 @@ class Weights(_Tensors):
     code predictor's passes alone took 50 ms a frame on two threads from a mapping of 4 KiB
     pages, 40 from huge pages (Zen 4; README, "Measured"). In place costs no copy, no fresh
     memory (on a virtual machine fresh huge pages can be slow to fault in: 0.5-0.8 s for a
-    0.6B talker on Zen 1), and processes on the same file share it."""
+    0.6B talker on Zen 1), and processes on the same file share it. Copied, where some were on
+    huge pages, the whole file leaves the page cache (beside pages cached in small pieces the
+    kernel reads on in small ones: a talker whose text embedding was cached so got 110 of its
+    450 MB of weights on huge pages, 450 once the file was dropped); where none were, the file
+    system may not give them, and a drop would have every load read the file again."""
 
     def __init__(
         self,
@@ -194,8 +197,8 @@ class Weights(_Tensors):
             self._bytes = _on_huge_pages(max(1, starts.pop()))
             for src, (_, size), at in zip(mapped.values(), self.spans, starts):
                 f.read_into(src, self._bytes[at : at + size])
-            if share > 0:  # the kernel reads this file in huge pieces
-                _drop_cached(f)
+            if share > 0:  # the file system gives huge pages: the next load reads them so
+                drop_from_page_cache(f.path)
         else:
             self._bytes, starts = self._file, [offset for offset, _ in self.spans]
         base = self._bytes.ctypes.data
@@ -275,23 +278,6 @@ def _huge_page_size() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 2 << 20
-
-
-def _drop_cached(f: GGUFFile) -> None:
-    """Have the page cache drop a file whose weights were read into memory of our own
-    (posix_fadvise POSIX_FADV_DONTNEED; it keeps the pages a mapping holds): a second copy of
-    them, partly in small pieces, so that the next load reads the file in huge pieces and keeps
-    them in place (`_huge_share`), at the price of reading it again: only where some were on
-    huge pages (else the file system may not give them, and each load would read the file
-    again). The whole file: beside pages cached in small pieces the kernel went on reading
-    the weights so (a talker whose text embedding was cached so got 110 of its 450 MB on huge
-    pages, 450 once it was not)."""
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 _AREA = re.compile(r"([0-9a-f]+)-([0-9a-f]+) ")

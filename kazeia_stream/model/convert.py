@@ -44,6 +44,7 @@ from gguf import TokenType
 
 from ..errors import ModelFileError, UsageError
 from . import gguf_layout as L
+from .gguf_file import drop_from_page_cache
 
 TYPES: dict[str, str] = {
     "f32": "everything F32 (lossless: the BF16 weights exactly)",
@@ -172,6 +173,7 @@ def convert(
             _write_file(talker, talker_tensors, parts[0], out_type)
         _write_file(mmproj, mmproj_tensors, parts[1], mmproj_type)
         for part, path in zip(parts, paths):
+            drop_from_page_cache(part)  # the first load then reads it in huge pieces
             part.replace(path)
     finally:
         for part in (*parts, unquantized):

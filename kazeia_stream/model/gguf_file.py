@@ -73,6 +73,20 @@ _PLAIN_DTYPES = {
 }
 
 
+def drop_from_page_cache(path: Path) -> None:
+    """Write back the file's pages and have the page cache drop them (posix_fadvise
+    POSIX_FADV_DONTNEED; it keeps the pages a mapping holds), so that its next reader reads it
+    afresh: through a mapping that asks for huge pages, in huge pieces (`ggml_graph.Weights`),
+    where a file written, or read in small reads, stays cached in small ones."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # only clean pages leave
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 class GGUFFile:
     """One GGUF file: typed metadata by key, tensors as numpy arrays in numpy axis order."""
 
