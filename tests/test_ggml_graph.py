@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
-import os
 import shutil
 import sys
 import weakref
@@ -20,7 +19,7 @@ from kazeia_stream.engine import ggml_graph
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Weights, products
 from kazeia_stream.errors import ModelFileError
 from kazeia_stream.ggml_lib import ggml
-from kazeia_stream.model.gguf_file import GGUFFile
+from kazeia_stream.model.gguf_file import GGUFFile, drop_from_page_cache
 
 
 def test_a_tensor_over_an_array_keeps_the_array_alive():
@@ -87,12 +86,7 @@ def _big_gguf(path: Path) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # only clean pages leave
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_from_page_cache(path)
     return path
 
 
