@@ -61,8 +61,8 @@ class Runtime:
         cfg = model.config
         # The decoder's weights are read in its engine thread, holding a core (there the heap its
         # frames' buffers take is made ready, `heap.reserve`: in the thread that will use it),
-        # while the code predictor and the talker take their weights in place in the files'
-        # mappings (the pages of those mapped now rather than in the first frame) and, once the
+        # while the code predictor and the talker take their weights (in place in the files'
+        # mappings where they can, their pages mapped now rather than in the first frame) and, once the
         # runtime is made, while a first utterance computes its prompt and first frame: only its
         # decode waits for the decoder (`codec`). No engine gets a throw-away step: the talker's
         # and the code predictor's delayed the first audio from process start by 0.1-0.5 s (a
@@ -83,8 +83,6 @@ class Runtime:
         self.talker = Talker(
             model.talker_file, cfg.talker, self.threads.talker, slots=max_streams, cores=self.cores
         )
-        for weights in (self.code_predictor.weights, self.talker.weights):
-            weights.prefault()
         model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.generator = Generator(self.frames)

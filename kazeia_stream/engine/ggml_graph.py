@@ -190,8 +190,7 @@ class Weights(_Tensors):
         that type stores it, shaped as the tensor in numpy order, quantized rows as bytes)."""
         self._file = f.mapping
         self.spans = [f.span(src) for src in mapped.values()]  # (offset, size) in the file
-        share = _huge_share(f.mapping, self.spans) if huge_pages() else 1.0
-        if share < IN_PLACE_HUGE_SHARE:
+        if huge_pages() and (share := _huge_share(self._file, self.spans)) < IN_PLACE_HUGE_SHARE:
             _madvise(self._file.ctypes.data, len(self._file), mmap.MADV_DONTNEED)  # not held twice
             starts = list(accumulate((-(-size // _ALIGN) * _ALIGN for _, size in self.spans), initial=0))
             self._bytes = _on_huge_pages(max(1, starts.pop()))
@@ -199,7 +198,10 @@ class Weights(_Tensors):
                 f.read_into(src, self._bytes[at : at + size])
             if share > 0:  # the file system gives huge pages: the next load reads them so
                 drop_from_page_cache(f.path)
-        else:
+        else:  # in place, its pages mapped now rather than at the first step (`_huge_share` did)
+            if not huge_pages():
+                for offset, size in self.spans:
+                    prefault(self._file[offset : offset + size])
             self._bytes, starts = self._file, [offset for offset, _ in self.spans]
         base = self._bytes.ctypes.data
         super().__init__(len(mapped), base, len(self._bytes))
@@ -218,13 +220,6 @@ class Weights(_Tensors):
     def copied(self) -> bool:
         """Whether the weights were read into memory of our own (else: in the file's mapping)."""
         return self._bytes is not self._file
-
-    def prefault(self) -> None:
-        """`prefault` the weights left in the file's mapping (those read into memory of our own
-        are resident already)."""
-        if not self.copied:
-            for offset, size in self.spans:
-                prefault(self._file[offset : offset + size])
 
     def close(self) -> None:
         super().close()
