@@ -107,6 +107,12 @@ def _read_mapped(path: Path, advice: int, start: int = 0) -> int:
     return huge
 
 
+def _held(weights: Weights, f: GGUFFile) -> np.ndarray:
+    """The bytes of `weights`' tensor "w", as float32."""
+    size = f.span("w")[1]
+    return np.frombuffer((ctypes.c_uint8 * size).from_address(ggml.ggml_get_data(weights["w"])), np.float32)
+
+
 @pytest.fixture(scope="module")
 def huge_file_pages(tmp_path_factory) -> None:
     """Skips where this kernel, or the file system the tests write to, maps no file on huge
@@ -124,16 +130,9 @@ def test_weights_stay_in_place_where_the_page_cache_holds_them_on_huge_pages(tmp
         data, size = ggml.ggml_get_data(weights["w"]), f.span("w")[1]
         assert not weights.copied and data == f.mapping.ctypes.data + f.span("w")[0]
         assert _pmd_mapped(data) >= ggml_graph.IN_PLACE_HUGE_SHARE * size
-        held = np.frombuffer((ctypes.c_uint8 * size).from_address(data), np.float32)
-        np.testing.assert_array_equal(held, BIG.reshape(-1))
+        np.testing.assert_array_equal(_held(weights, f), BIG.reshape(-1))
     finally:
         weights.close()
-
-
-def _held(weights: Weights, f: GGUFFile) -> np.ndarray:
-    """The bytes of `weights`' tensor "w", as float32."""
-    size = f.span("w")[1]
-    return np.frombuffer((ctypes.c_uint8 * size).from_address(ggml.ggml_get_data(weights["w"])), np.float32)
 
 
 @pytest.mark.skipif(not ggml_graph.huge_pages(), reason="no transparent huge pages")
