@@ -183,7 +183,9 @@ def slow_decoder(monkeypatch: pytest.MonkeyPatch):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the real-time sound device are marked `realtime` (deselect with -m)."""
+    """Tests on the real-time sound device are marked `realtime` (deselect with -m), and
+    `serial`: they keep time, so they run alone, after the parallel run (README)."""
     for item in items:
         if "pulse_null_sink" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.realtime)
+            item.add_marker(pytest.mark.serial)

@@ -13,9 +13,13 @@ from processes import spinning
 from kazeia_stream.engine.ggml_graph import Graph
 from kazeia_stream.engine.threads import OthersLoad, SharedCores, available_cores
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/stat").exists() or available_cores() < 2, reason="reads Linux' /proc/stat; needs 2 cores"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not Path("/proc/stat").exists() or available_cores() < 2,
+        reason="reads Linux' /proc/stat; needs 2 cores",
+    ),
+    pytest.mark.serial,  # other processes' load is what these tests read
+]
 
 
 def settled(load: OthersLoad) -> float:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.serial]  # it barges in on a clock
 
 ROOT = Path(__file__).resolve().parent.parent
 

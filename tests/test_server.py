@@ -315,6 +315,7 @@ def test_disconnects_mid_stream_leak_no_thread_nor_memory(server):
     assert server.rss_mb() < rss + 50
 
 
+@pytest.mark.serial
 def test_sigterm_lets_the_stream_in_flight_finish(model, expected):
     s = Server(model)
     idle = httpx.Client()  # a keep-alive connection left open must not hold the shutdown
@@ -365,6 +366,7 @@ async def events_until_done(ws, cancel_after_audio: bool = False) -> tuple[list[
             return events, audio, cancelled_at
 
 
+@pytest.mark.serial
 def test_websocket_speaks_text_pieces_and_barges_in(server, expected):
     async def script(ws):
         for word in TEXT.split(" "):

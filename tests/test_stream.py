@@ -102,6 +102,7 @@ async def test_frames_queued_behind_a_slow_decoder_go_in_one_push_same_audio(run
     assert same_audio(np.concatenate([c.pcm for c in chunks]), offline)
 
 
+@pytest.mark.serial
 async def test_barge_in_stops_within_100_ms_and_the_session_goes_on(runtime, offline):
     async with runtime.open(voice="ryan", seed=5) as tts:
         utterance = tts.speak(TEXT)
@@ -249,6 +250,7 @@ async def test_errors_inside_a_session_come_out_as_themselves(runtime):
             raise KeyError("from the caller")
 
 
+@pytest.mark.serial
 async def test_a_runtime_is_built_off_the_event_loop(tiny_gguf):
     model = kazeia_stream.load_model(tiny_gguf("custom_voice")[0])
     ticks = 0

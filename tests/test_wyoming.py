@@ -345,6 +345,7 @@ def test_clients_are_spoken_together(server: Server):
     assert max(first for _, first, _ in results) < min(end for _, _, end in results)
 
 
+@pytest.mark.serial
 @pytest.mark.subprocess
 def test_a_client_that_goes_away_frees_the_engines(server: Server):
     async def leave_mid_audio() -> None:
