@@ -61,6 +61,21 @@ def test_it_gives_the_product_to_float_rounding_and_a_column_its_numbers_alone(w
     assert np.array_equal(*results)
 
 
+@pytest.mark.parametrize("shape", [(37, 100), (300, 257)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_panels_hold_16_rows_each_column_by_column_the_last_padded_with_zeros(shape, dtype):
+    """`pack`'s layout, for either layout of W; 300 x 257 crosses its tiles of 8 panels by 128
+    columns (a tile's last panel and columns cut short)."""
+    m, k = shape
+    weight = np.random.default_rng(m).standard_normal(shape).astype(dtype)
+    padded = np.zeros((-(-m // 16) * 16, k), dtype)
+    padded[:m] = weight
+    expected = padded.reshape(-1, 16, k).transpose(0, 2, 1)
+    for w in (weight, np.ascontiguousarray(weight.T).T):
+        packed = f32_product.pack(w)
+        assert packed.dtype == dtype and np.array_equal(packed, expected)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_transposed_view_packs_as_its_copy(weight, dtype):
     """The transposed convs' weights are packed from the file's layout seen transposed."""

@@ -139,19 +139,26 @@ PANELS_BY(AVX2, panels256h, panel256h, PANELS256, uint16_t)
 
 /* W [m, k] (element (i, l) at src[i * row + l * col]) packed as `panels_at` takes it, on any
    CPU (plain C: the copy is bound by memory): panel p [k][PANEL] holds rows 16 p .. 16 p + 15,
-   the rows beyond m zero. One pass over W, each panel written in order (a weight in the file's
-   layout or a transposed view of it alike); float32 (`pack`) or float16 (`pack16`) as stored. */
+   the rows beyond m zero; float32 (`pack`) or float16 (`pack16`) as stored. W is read in tiles
+   of PACK_PANELS panels by PACK_COLUMNS columns, which touch at most 128 pages whether its rows
+   or its columns are far apart (a weight in the file's layout, or a transposed view of it: read
+   a panel at a time, the 12288 x 1536 view of a 0.6B decoder touched a page a number). */
+#define PACK_PANELS 8
+#define PACK_COLUMNS 128
 #define PACK(name, wtype)                                                                         \
     void name(const wtype *src, int64_t m, int64_t k, int64_t row, int64_t col, wtype *dst) {     \
-        for (int64_t p = 0; p < (m + PANEL - 1) / PANEL; p++) {                                   \
-            wtype *panel = dst + p * k * PANEL;                                                   \
-            const int rows = m - p * PANEL < PANEL ? (int)(m - p * PANEL) : PANEL;                \
-            for (int64_t l = 0; l < k; l++) {                                                     \
-                const wtype *s = src + p * PANEL * row + l * col;                                 \
-                for (int r = 0; r < rows; r++) panel[l * PANEL + r] = s[r * row];                 \
-                for (int r = rows; r < PANEL; r++) panel[l * PANEL + r] = 0;                      \
-            }                                                                                     \
-        }                                                                                         \
+        const int64_t panels = (m + PANEL - 1) / PANEL;                                           \
+        for (int64_t p0 = 0; p0 < panels; p0 += PACK_PANELS)                                      \
+            for (int64_t l0 = 0; l0 < k; l0 += PACK_COLUMNS)                                      \
+                for (int64_t p = p0; p < p0 + PACK_PANELS && p < panels; p++) {                   \
+                    wtype *panel = dst + p * k * PANEL;                                           \
+                    const int rows = m - p * PANEL < PANEL ? (int)(m - p * PANEL) : PANEL;        \
+                    for (int64_t l = l0; l < l0 + PACK_COLUMNS && l < k; l++) {                   \
+                        const wtype *s = src + p * PANEL * row + l * col;                         \
+                        for (int r = 0; r < rows; r++) panel[l * PANEL + r] = s[r * row];         \
+                        for (int r = rows; r < PANEL; r++) panel[l * PANEL + r] = 0;              \
+                    }                                                                             \
+                }                                                                                 \
     }
 
 PACK(kz_f32_product_pack, float)
