@@ -18,7 +18,7 @@ from page_cache import cached_pages
 from kazeia_stream.engine import ggml_graph
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Weights, products
 from kazeia_stream.errors import ModelFileError
-from kazeia_stream.ggml_lib import ggml
+from kazeia_stream.ggml_lib import ggml, widen
 from kazeia_stream.model.gguf_file import GGUFFile, drop_from_page_cache
 
 
@@ -188,3 +188,20 @@ def test_a_file_cut_short_after_it_was_checked_is_a_model_file_error(tiny_gguf, 
         f.truncate(talker.span(last)[0] + 1)
     with pytest.raises(ModelFileError, match="could not be read whole"):
         Weights(talker, {last: last})
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_widen_gives_numpy_s_float32_in_the_same_order(order):
+    """Every float16 bit pattern (infinities, subnormals among them), 65536 of them and an odd
+    count (the vector loop's tail), widened exactly in C or Fortran order; a NaN stays a NaN
+    (F16C sets a signalling NaN's quiet bit, which numpy keeps as it was)."""
+    bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    for half in (
+        np.asarray(bits.reshape(256, 256), order=order),
+        np.asarray(bits[:999].reshape(27, 37), order=order),
+    ):
+        wide, exact = widen(half), half.astype(np.float32)
+        assert wide.dtype == np.float32 and wide.flags[f"{order}_CONTIGUOUS"]
+        numbers = ~np.isnan(exact)
+        assert np.array_equal(wide[numbers].view(np.uint32), exact[numbers].view(np.uint32))
+        assert np.isnan(wide[~numbers]).all()

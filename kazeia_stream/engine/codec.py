@@ -56,6 +56,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from threadpoolctl import ThreadpoolController
 
+from ..ggml_lib import widen
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
 from . import f32_product, heap, snake, winograd
@@ -1165,7 +1166,9 @@ def _float32(w: np.ndarray, columns: int = 16) -> np.ndarray:
     file's mapping), else a copy; a transposed view's a few columns at a time. numpy copies a
     transposed view in the output's order, reading one float per source cache line; a few of
     the source's rows at a time keep those lines in cache (2.5x faster for the 75 MB of the
-    first decoder block's transposed conv)."""
+    first decoder block's transposed conv). float16 in either order is widened by ggml first."""
+    if w.dtype == np.float16 and (w.flags.c_contiguous or w.flags.f_contiguous):
+        w = widen(w)
     if not w.flags.f_contiguous or w.flags.c_contiguous:
         return np.ascontiguousarray(w, dtype=F32)
     out = np.empty(w.shape, F32)
