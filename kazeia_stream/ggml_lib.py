@@ -1,8 +1,8 @@
 """ctypes declarations for the libggml functions we call directly: GGUF reading, quantization
 and the graph API our own engines are built on.
 
-The library is the one llama-cpp-python bundles (`llama_cpp._ggml.libggml`, which reaches
-libggml-base and libggml-cpu), so the process holds one ggml. Signatures follow `include/gguf.h`,
+The library is the one llama-cpp-python bundles (libggml, which reaches libggml-base and
+libggml-cpu; `clib.bundled`), so the process holds one ggml. Signatures follow `include/gguf.h`,
 `ggml.h`, `ggml-alloc.h`, `ggml-backend.h` and `ggml-cpu.h` of llama-cpp-python 0.3.36.
 """
 
@@ -12,8 +12,10 @@ import ctypes
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from llama_cpp._ggml import libggml as ggml
 
+from .clib import bundled
+
+ggml = bundled("ggml")
 _c = ctypes
 _ctx = _c.c_void_p
 _t = _c.c_void_p  # struct ggml_tensor *

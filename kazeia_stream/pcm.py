@@ -1,17 +1,23 @@
 """Raw PCM, 24 kHz mono, as `--pipe`, the server's `pcm` format and the file writer make it.
 
-Apart from the sinks so that the command line can name the formats without importing the
-engines: a process starts loading its model sooner (see `cli.cmd_speak`)."""
+Apart from the sinks, and numpy imported at the first use, so that the command line names the
+formats without importing either: a process starts loading its model's vocabulary sooner (see
+`cli.cmd_speak`)."""
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMATS = ("s16le", "f32le")
 
 
 def pcm_bytes(pcm: np.ndarray, fmt: str) -> bytes:
     """Raw little-endian PCM: 16-bit integers (clipped, rounded) or 32-bit floats."""
+    import numpy as np
+
     if fmt == "f32le":
         return pcm.astype("<f4").tobytes()
     return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()

@@ -299,14 +299,12 @@ def test_llama_log_filter_passes_continuations_with_their_message():
     line (CONT) exactly when the message it continues was passed."""
     import ctypes
 
-    import llama_cpp
-
-    from kazeia_stream.model import llama
+    from kazeia_stream.model import libllama, llama
 
     if llama._filter is None:
         pytest.skip("llama_log.c was not built")
     got: list[tuple[int, bytes]] = []
-    record = llama_cpp.llama_log_callback(lambda level, text, _: got.append((level, text)))
+    record = libllama.log_callback(lambda level, text, _: got.append((level, text)))
     debug, info, warn, error, cont = 1, 2, 3, 4, 5
     try:
         llama._filter.kz_log_set(record, warn)
@@ -315,3 +313,38 @@ def test_llama_log_filter_passes_continuations_with_their_message():
     finally:
         llama.init_backend()  # the filter back to the logger's levels
     assert got == [(warn, b"3"), (cont, b"5"), (error, b"4"), (cont, b"5")]
+
+
+def test_our_libllama_declarations_are_llama_cpp_python_s():
+    """`libllama`'s struct and callback, against the package's own (ours spare its import)."""
+    import ctypes
+
+    import llama_cpp
+
+    from kazeia_stream.model import libllama
+
+    ours, theirs = libllama.ModelParams, llama_cpp.llama_model_params
+    assert ctypes.sizeof(ours) == ctypes.sizeof(theirs)
+    layout = lambda struct: [
+        (name, getattr(struct, name).offset, getattr(struct, name).size) for name, *_ in struct._fields_
+    ]
+    assert layout(ours) == layout(theirs)
+    assert libllama.log_callback._argtypes_ == llama_cpp.llama_log_callback._argtypes_
+    assert libllama.token == llama_cpp.llama_token
+
+
+@pytest.mark.subprocess
+def test_a_model_loads_and_tokenizes_without_llama_cpp_python_s_import(tiny_gguf):
+    """libllama and libggml are loaded from its files, the package left unimported (0.15-0.45
+    s of a start on Zen 1), and llama.cpp's log stays ours: nothing on stderr (its import set
+    a callback of its own, which printed the vocabulary's load)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from kazeia_stream import load_model, Runtime; "
+        f"m = load_model({str(tiny_gguf('custom_voice')[0])!r}); Runtime(m); "
+        "assert m.tokenizer.encode('Hello there.'); assert 'llama_cpp' not in sys.modules"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -8,10 +8,9 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import llama_cpp
-
 from .. import clib
 from ..errors import ModelFileError
+from .libllama import lib, log_callback
 
 # llama.cpp's log goes to this logger; the NullHandler keeps it silent unless the application
 # configures logging (the CLI shows it with -vv).
@@ -23,7 +22,7 @@ _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERR
 _CONT = 5
 
 
-@llama_cpp.llama_log_callback
+@log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     message = text.decode("utf-8", errors="replace").rstrip()
     if message:
@@ -33,21 +32,22 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
 # llama_log.c: libllama's callback, passing on to `_log_callback` only the levels `log` wants
 # (see there why); None where it was not built. Module-level, as libllama keeps only addresses.
 _filter = clib.load(__file__, "llama_log")
-_callback = _log_callback if _filter is None else ctypes.cast(_filter.kz_log, llama_cpp.llama_log_callback)
+_callback = _log_callback if _filter is None else ctypes.cast(_filter.kz_log, log_callback)
 _initialised = False
 
 
 def init_backend() -> None:
-    """Route llama.cpp's log to Python logging and initialise its backend, once, before the
-    first model is made (not at import: the pure modules must not start libllama); at every
-    call, the levels passed on become those that `log` shows now."""
+    """Route llama.cpp's log to Python logging and initialise its backend before a model is
+    made (not at import: the pure modules must not start libllama). At every call the levels
+    passed on become those that `log` shows now, and the callback is ours again: llama-cpp-python
+    sets its own when imported (by `convert`'s quantizer, or an application)."""
     global _initialised
     if _filter is not None:
         wanted = [level for level, py_level in _LEVELS.items() if log.isEnabledFor(py_level)]
         _filter.kz_log_set(_log_callback, min(wanted, default=_CONT))
+    lib.llama_log_set(_callback, ctypes.c_void_p(0))
     if not _initialised:
-        llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
+        lib.llama_backend_init()
         _initialised = True
 
 
@@ -57,18 +57,18 @@ class LlamaVocab:
 
     def __init__(self, path: Path) -> None:
         init_backend()
-        params = llama_cpp.llama_model_default_params()
+        params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.vocab_only = True
         self.path = path
-        self.ptr = llama_cpp.llama_model_load_from_file(os.fsencode(path), params)
+        self.ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
         if not self.ptr:
             raise ModelFileError(f"{path}: libllama could not load it (run with -v for llama.cpp's reason)")
-        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+        self.vocab = lib.llama_model_get_vocab(self.ptr)
 
     def __del__(self) -> None:
         if getattr(self, "ptr", None):
-            llama_cpp.llama_model_free(self.ptr)
+            lib.llama_model_free(self.ptr)
             self.ptr = None
 
 

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import unicodedata
 
-import llama_cpp
 import numpy as np
 
 from . import gguf_layout as L
+from . import libllama
 from .gguf_file import GGUFFile
 
 
 class Tokenizer:
     """Tokenizes with the vocabulary of a loaded libllama model."""
 
-    def __init__(self, vocab: llama_cpp.llama_vocab_p) -> None:
+    def __init__(self, vocab: int) -> None:
+        """`vocab`: a loaded model's `llama_vocab *`."""
         self._vocab = vocab
 
     def encode(self, text: str, special: bool = True) -> list[int]:
@@ -30,14 +31,14 @@ class Tokenizer:
         """
         data = unicodedata.normalize("NFC", text).encode("utf-8")
         n_max = len(data) + 16
-        buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, False, special)
+        buf = (libllama.token * n_max)()
+        n = libllama.lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, False, special)
         if n < 0:
             raise RuntimeError(f"tokenizer needs {-n} slots for {len(data)} bytes")
         return list(buf[:n])
 
     def token_text(self, token: int) -> str:
-        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
+        return libllama.lib.llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
 
 
 # gguf token types that libllama's tokenizer takes whole where their text appears (UNKNOWN,
