@@ -124,7 +124,9 @@ print(min(spun))
 def test_an_idle_openmp_thread_spins_briefly_and_the_environment_may_say_otherwise():
     """The package sets GOMP_SPINCOUNT before libgomp loads: after a graph on two threads its
     idle worker gives the core up within a fraction of a millisecond (libgomp's default,
-    300000, spun 7.7 ms on Zen 4, where the decoder takes that core for the next decode)."""
+    300000, spun 7.7 ms on Zen 4 and 14.8 ms on Zen 1, where the decoder takes that core for
+    the next decode). The probe's process took 0.1 ms in most runs on Zen 1, and 1.1-1.3 ms in
+    about one of five, ours or the code before alike (one CI run failed at 1 ms)."""
     import os
     import subprocess
     import sys
@@ -136,4 +138,4 @@ def test_an_idle_openmp_thread_spins_briefly_and_the_environment_may_say_otherwi
 
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
     ours, libgomp_s = spun(env), spun({**env, "GOMP_SPINCOUNT": "300000"})
-    assert ours < 1e-3 and libgomp_s > 3 * ours, (ours, libgomp_s)
+    assert ours < 2.5e-3 and libgomp_s > 3 * ours, (ours, libgomp_s)
