@@ -169,11 +169,12 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
 
     from kazeia_stream.engine import codec
 
-    seen, ggml = [], []
+    seen, ggml, teams = [], [], []
     multiply, compute = codec.Matrix.__call__, codec.Graph.compute
 
     def spy(*args, **kwargs):  # every product, on whichever kernel (numpy's attention too)
         seen.append(_blas_threads())
+        teams.append(getattr(f32_product._team.get(), "threads", 1))  # our kernel's
         return multiply(*args, **kwargs)
 
     monkeypatch.setattr(codec.Matrix, "__call__", spy)
@@ -184,10 +185,13 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
         decoder.push(state, reference["codes"][:2])
         assert seen and all(s == {1} for s in seen)  # whatever numpy's own setting
         assert bool(ggml) == graphs and set(ggml) <= {1}  # the products of few columns
+        assert set(teams) == {1}
         seen.clear()
         ggml.clear()
+        teams.clear()
         decoder.push(state, reference["codes"][2:4], threads=2)
         assert seen and all(s == {2} for s in seen)
+        assert set(teams) == {1 if graphs else 2}
         assert bool(ggml) == graphs and set(ggml) <= {1}  # one thread runs graphs on several: the generator's
         assert _blas_threads() == {2}
 

@@ -4,6 +4,8 @@ come with it, the same on either layout and variant."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -97,6 +99,32 @@ def test_float16_weights_give_their_float32_s_numbers_from_half_the_bytes(weight
     assert np.array_equal(narrow(np.asarray(x, order="F")), wide(np.asarray(x, order="F")))
     in_place = _direct(half, variant, False)
     assert in_place.array.dtype == np.float32 and np.array_equal(in_place(x), wide(x))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 12])
+def test_a_team_shares_a_product_by_rows_and_gives_its_numbers_alone(variant, threads):
+    """In a `Team`, a product of enough multiply-adds is shared by rows among its threads, whole
+    panels each (12 threads for 9 panels: some take none), the caller's and its helpers': every
+    element as alone, for W in panels of either type and in place, 130 rows filling no last
+    panel. A small product runs on its caller alone. The helpers end with the block."""
+    rng = np.random.default_rng(threads)
+    weight = rng.standard_normal((130, 768), dtype=np.float32)
+    x = rng.standard_normal((768, 70), dtype=np.float32)
+    matrices = [_direct(weight, variant, True), _direct(weight.astype(np.float16), variant, True)]
+    matrices.append(_direct(weight, variant, False))
+    for matrix in matrices:
+        order = "F" if matrix.panels else "C"
+        columns, column = np.asarray(x, order=order), np.asarray(x[:, :1], order=order)
+        alone, one = matrix(columns), matrix(column)
+        with f32_product.threads(threads) as team:
+            assert team is not None
+            for shared, (x_in, expected) in enumerate([(columns, alone), (column, one), (columns, alone)]):
+                out = np.full(expected.shape, np.nan, np.float32, order=order)
+                assert matrix(x_in, out=out) is out and np.array_equal(out, expected)
+                assert team.shared == (1 if shared < 2 else 2)  # a column: 0.1 M multiply-adds
+        assert not [t for t in threading.enumerate() if t.name == "kazeia-product"]
+    with f32_product.threads(1) as team:
+        assert team is None
 
 
 def test_both_variants_give_the_same_numbers(weight):

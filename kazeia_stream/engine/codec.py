@@ -884,6 +884,7 @@ class CodecDecoder:
     def __init__(self, mmproj: GGUFFile, threads: int) -> None:
         self.threads = threads
         self._blas = ThreadpoolController().select(user_api="blas")
+        self._kernel = f32_product.chosen()  # our kernel's variant, or None: ggml's and BLAS's
         with self._threads(None):  # the load's products too: a second thread spins after them
             self._load(mmproj)
 
@@ -908,7 +909,7 @@ class CodecDecoder:
                 conv.tile()
             if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
-        kernel = f32_product.chosen()
+        kernel = self._kernel
         per_stream = self._per_stream_matrices()
         for key, (matrix, columns) in self.matrices().items():
             if kernel is not None:
@@ -1009,8 +1010,10 @@ class CodecDecoder:
 
     @contextmanager
     def _threads(self, threads: int | None) -> Iterator[None]:
-        """The BLAS products of the block run on `threads` threads (default: the decoder's)."""
-        with self._blas.limit(limits=threads or self.threads):
+        """The products of the block run on `threads` threads (default: the decoder's): BLAS's,
+        and our kernel's in a team."""
+        n = threads or self.threads
+        with self._blas.limit(limits=n), f32_product.threads(n if self._kernel else 1):
             yield
 
     def _check(self, codes: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 /* Float32 weights (or float16 ones, widened exactly, in panels) times float32 columns, called
-   directly by the codec decoder on its own buffers (see f32_product.py for why), on one thread.
+   directly by the codec decoder on its own buffers (see f32_product.py for why), on one thread
+   or shared by rows with helper threads (`kz_f32_product_shared`).
 
    Every element of a product is one chain of fmadds over the inner index k, in order, from
    zero, so that a column's numbers do not depend on how many columns come with it or where it
@@ -8,6 +9,7 @@
    place, times rows of contiguous numbers (lanes over the columns). Tiles are outer products:
    no sums across lanes are left to do at the end. */
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -288,3 +290,79 @@ AVX2 INLINE void bcast256(const float *w, int64_t w_row, int64_t k, const float 
 
 BCAST_BY(AVX512, kz_f32_product_rows_avx512, bcast512, BROWS512, BVECS512, 16, MASK16)
 BCAST_BY(AVX2, kz_f32_product_rows_avx2, bcast256, BROWS256, BVECS256, 8, COUNT8)
+
+/* A product shared by rows among the threads of a team: its caller's and helpers that wait in
+   `kz_f32_product_serve` while the team is held (the decoder's passes that have every core).
+   The helpers spin between products: a sleeping thread took 100-250 us here to wake (a
+   virtual CPU's), as long as a share of many of the decoder's products. Shares are whole
+   panels, rows [m * i / parts] rounded down to a panel's: each element is computed as alone. */
+typedef void panels_export(const void *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+typedef void rows_export(const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+
+struct product { /* a call of `panels_export` (rows_w 0) or of `rows_export` (W's rows rows_w apart) */
+    void *fn;
+    const void *w;
+    size_t size; /* a weight's bytes */
+    int64_t m, k, rows_w, x_step, n, dst_step, parts;
+    const float *x;
+    float *dst;
+};
+
+struct team {
+    _Atomic uint64_t posted, finished;
+    _Atomic int stop;
+    struct product job;
+};
+
+size_t kz_f32_product_team_size(void) { return sizeof(struct team); }
+
+/* A product's multiply-adds below which its caller computes it alone (a share of 0.02-0.05 ms). */
+#define SHARED_MACS (1 << 18)
+
+static void share(const struct product *p, int64_t i) {
+    const int64_t a = p->m * i / p->parts / PANEL * PANEL;
+    const int64_t b = i + 1 == p->parts ? p->m : p->m * (i + 1) / p->parts / PANEL * PANEL;
+    if (a >= b) return;
+    if (p->rows_w == 0)
+        ((panels_export *)p->fn)((const char *)p->w + a * p->k * p->size, b - a, p->k, p->x, p->x_step, p->n,
+                                 p->dst + a, p->dst_step);
+    else
+        ((rows_export *)p->fn)((const float *)p->w + a * p->rows_w, b - a, p->k, p->rows_w, p->x, p->x_step,
+                               p->n, p->dst + a * p->dst_step, p->dst_step);
+}
+
+/* A helper of `t`, sharing each product posted, until `kz_f32_product_stop` (helper `index`,
+   1 to parts - 1, takes the index-th share). Called with Python's lock let go (ctypes). */
+void kz_f32_product_serve(struct team *t, int64_t index) {
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t posted;
+        while ((posted = atomic_load_explicit(&t->posted, memory_order_acquire)) == seen)
+            if (atomic_load_explicit(&t->stop, memory_order_relaxed)) return;
+            else _mm_pause();
+        seen = posted;
+        share(&t->job, index);
+        atomic_fetch_add_explicit(&t->finished, 1, memory_order_release);
+    }
+}
+
+void kz_f32_product_stop(struct team *t) { atomic_store(&t->stop, 1); }
+
+/* The product `fn` (a variant's `panels` or `rows` export, as `rows_w` says), shared with the
+   helpers of `t` (parts - 1 of them) where it is large enough, or by its caller alone (t NULL). */
+void kz_f32_product_shared(struct team *t, int64_t parts, void *fn, const void *w, size_t size, int64_t m,
+                           int64_t k, int64_t rows_w, const float *x, int64_t x_step, int64_t n, float *dst,
+                           int64_t dst_step) {
+    struct product p = {.fn = fn, .w = w, .size = size, .m = m, .k = k, .rows_w = rows_w, .x = x,
+                        .x_step = x_step, .n = n, .dst = dst, .dst_step = dst_step, .parts = 1};
+    if (t == NULL || parts < 2 || m < 2 * PANEL || m * k * n < SHARED_MACS) {
+        share(&p, 0);
+        return;
+    }
+    p.parts = parts;
+    t->job = p;
+    const uint64_t done = atomic_load_explicit(&t->finished, memory_order_relaxed) + (uint64_t)(parts - 1);
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    share(&p, 0);
+    while (atomic_load_explicit(&t->finished, memory_order_acquire) != done) _mm_pause();
+}

@@ -1,6 +1,7 @@
 """Float32 weights times float32 columns on a kernel of our own (`f32_product.c`), called
-directly on the codec decoder's own buffers (`codec.Matrix`), on one thread; packed weights
-may be float16 as a file stores them, widened in the registers: the same numbers.
+directly on the codec decoder's own buffers (`codec.Matrix`), on one thread or shared by rows
+with helper threads (`Team`); packed weights may be float16 as a file stores them, widened in
+the registers: the same numbers.
 
 Two reasons. ggml's float32 kernels give a column other numbers alone (its one-column kernel)
 than beside others (llamafile's tiles), and OpenBLAS's depend on the column count, so the
@@ -26,8 +27,12 @@ variant, which gives the same numbers).
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar, Token
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -89,18 +94,102 @@ def _at(a: np.ndarray) -> int:
 
 
 def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarray, variant: str) -> None:
-    """out = W @ x on one thread, called directly on the caller's buffers, for W of `shape`
-    [m, k]: either `pack(W)` (3-D), x's and out's columns each contiguous (Winograd's planes),
-    or W in place, x's and out's rows contiguous (the decoder's channel-major buffers). Every
-    element is one chain of fmadds over k in order either way: the same numbers."""
+    """out = W @ x, called directly on the caller's buffers, for W of `shape` [m, k]: either
+    `pack(W)` (3-D), x's and out's columns each contiguous (Winograd's planes), or W in place,
+    x's and out's rows contiguous (the decoder's channel-major buffers). Every element is one
+    chain of fmadds over k in order either way: the same numbers, on this thread alone or
+    shared by rows with a `Team`'s helpers."""
     (m, k), n = shape, x.shape[1]
     assert x.shape[0] == k and out.shape == (m, n) and x.dtype == out.dtype == np.float32
     if w.ndim == 3:
         assert x.strides[0] == out.strides[0] == 4, "panels take columns of contiguous numbers"
-        x_col, out_col = x.strides[1] // 4, out.strides[1] // 4
-        _function("panels" + _WEIGHTS[w.dtype], variant)(_at(w), m, k, _at(x), x_col, n, _at(out), out_col)
+        op, w_row, x_step, out_step = "panels" + _WEIGHTS[w.dtype], 0, x.strides[1], out.strides[1]
     else:
         assert w.dtype == np.float32, "weights in place are float32"
         assert x.strides[1] == out.strides[1] == w.strides[1] == 4, "rows of contiguous numbers"
-        w_row, x_row, out_row = w.strides[0] // 4, x.strides[0] // 4, out.strides[0] // 4
-        _function("rows", variant)(_at(w), m, k, w_row, _at(x), x_row, n, _at(out), out_row)
+        op, w_row, x_step, out_step = "rows", w.strides[0] // 4, x.strides[0], out.strides[0]
+    team = _team.get()
+    _calls().kz_f32_product_shared(
+        team and team.address,
+        team.threads if team else 1,
+        _pointer(op, variant),
+        _at(w),
+        w.itemsize,
+        m,
+        k,
+        w_row,
+        _at(x),
+        x_step // 4,
+        n,
+        _at(out),
+        out_step // 4,
+    )
+
+
+class Team:
+    """While `with Team(n)` holds, the products that its thread calls share their rows among
+    `n` threads: it and n - 1 helpers, which spin between the products until the block ends
+    (for a block that has the cores to itself: the decoder's first frames)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._state = ctypes.create_string_buffer(_calls().kz_f32_product_team_size())
+        self.address = ctypes.addressof(self._state)
+        self._token: Token[Team | None] | None = None
+        self._helpers = [
+            threading.Thread(
+                target=_calls().kz_f32_product_serve, args=(self._state, i), name="kazeia-product"
+            )
+            for i in range(1, threads)
+        ]
+
+    @property
+    def shared(self) -> int:
+        """How many products its helpers have taken shares of."""
+        return ctypes.c_uint64.from_buffer(self._state).value
+
+    def __enter__(self) -> Team:
+        for helper in self._helpers:
+            helper.start()
+        self._token = _team.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _team.reset(self._token)
+        _calls().kz_f32_product_stop(self._state)
+        for helper in self._helpers:
+            helper.join()
+
+
+def threads(n: int) -> AbstractContextManager[Team | None]:
+    """The products called in the block on `n` threads: a `Team` of them, or, for one (or
+    without the kernel), this thread alone."""
+    return Team(n) if n > 1 and variants() else nullcontext()
+
+
+_team: ContextVar[Team | None] = ContextVar("f32_product_team", default=None)
+
+
+@cache
+def _pointer(op: str, variant: str) -> int:
+    """The address of f32_product.c's `op` on `variant`, for `kz_f32_product_shared`."""
+    fn: Any = _function(op, variant)  # a ctypes function
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+@cache
+def _calls() -> ctypes.CDLL:
+    """f32_product.c's library with its teams' calls declared."""
+    lib = native.library("f32_product")
+    assert lib is not None, "the kernel is not built here"
+    calls = {
+        "team_size": ([], ctypes.c_size_t),
+        "serve": ([_P, _I], None),
+        "stop": ([_P], None),
+        "shared": ([_P, _I, _P, _P, ctypes.c_size_t, _I, _I, _I, _P, _I, _I, _P, _I], None),
+    }
+    for name, (args, result) in calls.items():
+        fn = getattr(lib, f"kz_f32_product_{name}")
+        fn.argtypes, fn.restype = args, result
+    return lib
