@@ -59,20 +59,22 @@ class Runtime:
         # the decoder holds some while it runs beside the talker and code predictor
         self.cores = SharedCores(self.threads.cores)
         cfg = model.config
-        # The decoder's weights are read in its engine thread, holding a core (there the heap its
-        # frames' buffers take is made ready, `heap.reserve`: in the thread that will use it),
-        # while the code predictor and the talker take their weights (in place in the files'
-        # mappings where they can, their pages mapped now rather than in the first frame) and, once the
-        # runtime is made, while a first utterance computes its prompt and first frame: only its
-        # decode waits for the decoder (`codec`). No engine gets a throw-away step: the talker's
-        # and the code predictor's delayed the first audio from process start by 0.1-0.5 s (a
-        # quiet to a busy host), the decoder's by 0.1 s (its frame took the core the session's
-        # first rows needed), and each saved its engine's first call 20 ms at most (measured).
+        # The code predictor and the talker take their weights first (in place in the files'
+        # mappings where they can, their pages mapped now rather than in the first frame); then
+        # the decoder's are read in its engine thread, holding a core (there the heap its frames'
+        # buffers take is made ready, `heap.reserve`: in the thread that will use it), while the
+        # vocabulary's load ends and, once the runtime is made, while a first utterance computes
+        # its prompt and first frame: only its decode waits for the decoder (`codec`). Begun
+        # first, the decoder's load took the core that the two engines' mapping needed, beside
+        # the vocabulary's load (0.27 against 0.06 s for them; `--pipe`'s first byte 1.432
+        # against 1.383 s, medians of 16 alternated runs, Zen 1). No engine gets a throw-away
+        # step: the talker's and the code predictor's delayed the first audio from process start
+        # by 0.1-0.5 s (a quiet to a busy host), the decoder's by 0.1 s (its frame took the core
+        # the session's first rows needed), and each saved its engine's first call 20 ms at most.
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
         self.decoder = Decoder(
             lambda: self.codec, self.threads.decoder, self.cores, lambda: self.admission.active
         )
-        self._codec = self.decoder.start_call(lambda: self._load_codec(model.mmproj_file))
         self.code_predictor = CodePredictor(
             model.mmproj_file,
             cfg.code_predictor,
@@ -83,6 +85,7 @@ class Runtime:
         self.talker = Talker(
             model.talker_file, cfg.talker, self.threads.talker, slots=max_streams, cores=self.cores
         )
+        self._codec = self.decoder.start_call(lambda: self._load_codec(model.mmproj_file))
         model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.generator = Generator(self.frames)
