@@ -179,14 +179,21 @@ class Runtime:
 
     def _primed_state(self, voice: VoiceArg) -> DecoderState | None:
         """For an in-context voice, the decoder state after its reference frames, decoded once
-        per voice, on every core; None for any other voice."""
+        per voice: on every core when no stream is speaking (the generator's calls wait), else
+        on the decoder's, lent by the generator as for its passes; None for any other voice."""
         if not isinstance(voice, Voice) or voice.ref_codes is None:
             return None
         primed = self._primed.get(voice)
         if primed is None:
             primed = self.codec.new_state()
             codes = voice.ref_codes
-            self.decoder.call(lambda: self.codec.prime(primed, codes, self.threads.cores))
+
+            def prime() -> None:
+                alone = not self.admission.active
+                with self.cores.alone() if alone else self.cores.lend(self.threads.decoder) as threads:
+                    self.codec.prime(primed, codes, threads)
+
+            self.decoder.call(prime)
             self._primed[voice] = primed
         return primed
 

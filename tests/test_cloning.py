@@ -226,6 +226,25 @@ async def test_streaming_text_in_a_cloned_voice_equals_offline_synthesis(runtime
     assert np.array_equal(np.concatenate(chunks), expected)
 
 
+async def test_a_reference_is_primed_on_every_core_unless_a_stream_speaks(runtime, monkeypatch):
+    """An in-context voice's reference is decoded once per voice when a session opens: on every
+    core free when no stream speaks, else on the decoder's, as its passes run beside them."""
+    from kazeia_stream.engine.codec import CodecDecoder
+
+    seen, prime = [], CodecDecoder.prime
+
+    def spy(self, state, codes, threads=None):
+        seen.append((threads, runtime.cores.free()))
+        return prime(self, state, codes, threads)
+
+    monkeypatch.setattr(CodecDecoder, "prime", spy)
+    await trio.to_thread.run_sync(runtime.decoder_state, official_voice(icl=True))
+    async with runtime.stream():  # a stream speaking
+        await trio.to_thread.run_sync(runtime.decoder_state, official_voice(icl=True))
+    (alone, free), (beside, _) = seen
+    assert alone == free and beside == runtime.threads.decoder
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 
