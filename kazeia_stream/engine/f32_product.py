@@ -32,7 +32,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar, Token
 from functools import cache
-from typing import Any
 
 import numpy as np
 
@@ -62,7 +61,7 @@ def pack(w: np.ndarray) -> np.ndarray:
     out, k = w.shape
     packed = np.empty((-(-out // PANEL), k, PANEL), w.dtype)
     row, col = (s // w.itemsize for s in w.strides)
-    _function("pack" + _WEIGHTS[w.dtype])(_at(w), out, k, row, col, _at(packed))
+    _function("pack" + _WEIGHTS[w.dtype])(native.data(w), out, k, row, col, native.data(packed))
     return packed
 
 
@@ -88,11 +87,6 @@ def _function(op: str, variant: str | None = None) -> Callable[..., None]:
     return fn
 
 
-def _at(a: np.ndarray) -> int:
-    """An array's address (quicker than `.ctypes.data`)."""
-    return int(a.__array_interface__["data"][0])
-
-
 def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarray, variant: str) -> None:
     """out = W @ x, called directly on the caller's buffers, for W of `shape` [m, k]: either
     `pack(W)` (3-D), x's and out's columns each contiguous (Winograd's planes), or W in place,
@@ -112,16 +106,16 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
     _calls().kz_f32_product_shared(
         team and team.address,
         team.threads if team else 1,
-        _pointer(op, variant),
-        _at(w),
+        native.address("f32_product", variant, op),
+        native.data(w),
         w.itemsize,
         m,
         k,
         w_row,
-        _at(x),
+        native.data(x),
         x_step // 4,
         n,
-        _at(out),
+        native.data(out),
         out_step // 4,
     )
 
@@ -169,13 +163,6 @@ def threads(n: int) -> AbstractContextManager[Team | None]:
 
 
 _team: ContextVar[Team | None] = ContextVar("f32_product_team", default=None)
-
-
-@cache
-def _pointer(op: str, variant: str) -> int:
-    """The address of f32_product.c's `op` on `variant`, for `kz_f32_product_shared`."""
-    fn: Any = _function(op, variant)  # a ctypes function
-    return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
 @cache

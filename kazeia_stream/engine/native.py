@@ -11,6 +11,8 @@ import os
 from functools import cache
 from typing import Any
 
+import numpy as np
+
 from .. import clib
 
 VARIANTS = ("avx512", "avx2")  # each kernel's, best first: `kz_*_level()` 2 runs both, 1 the second
@@ -49,7 +51,29 @@ def chosen(name: str, env: str) -> str | None:
     return wanted if wanted in runs else runs[0]
 
 
+@cache
 def address(name: str, variant: str, op: str = "") -> int:
     """The address of library `name`'s kernel `kz_{name}_{variant}` (or `kz_{name}_{op}_{variant}`):
     a ggml custom operation."""
     return ctypes.cast(function(name, variant, op), ctypes.c_void_p).value or 0
+
+
+def data(a: np.ndarray) -> int:
+    """The address of an array's first element, for a kernel's call: its `data` field read in
+    place, 1 us here, where `__array_interface__` builds a dict at every call (5 us; the codec
+    decoder makes about 650 such calls a frame)."""
+    return ctypes.c_void_p.from_address(id(a) + _DATA_FIELD).value or 0
+
+
+def _data_field() -> int:
+    """Where numpy's array object holds its data pointer (PyArrayObject_fields.data, the field
+    after the object's header: 16 bytes in, on 64-bit CPython), found on a probe."""
+    probe = np.empty(3)
+    at = probe.__array_interface__["data"][0]
+    for offset in range(8, 65, 8):
+        if ctypes.c_void_p.from_address(id(probe) + offset).value == at:
+            return offset
+    raise ImportError("numpy's array object has no data pointer where expected")
+
+
+_DATA_FIELD = _data_field()

@@ -46,7 +46,7 @@ def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> 
         return int(np.argmax(logits))
     kernel = _kernel()
     if kernel is not None and logits.dtype == np.float32 and logits.flags.c_contiguous:
-        code = int(kernel(logits.ctypes.data, len(logits), p.temperature, p.top_k, p.top_p, rng.random()))
+        code = int(kernel(native.data(logits), len(logits), p.temperature, p.top_k, p.top_p, rng.random()))
     else:
         code = _draw(logits, p, rng)
     if code < 0:

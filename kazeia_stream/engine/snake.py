@@ -42,13 +42,13 @@ def snake(
     assert alpha.flags.c_contiguous and beta.flags.c_contiguous and alpha.size == beta.size == len(x)
     rows, cols = x.shape
     _function(variant or variants()[0])(
-        x.ctypes.data,
+        native.data(x),
         rows,
         cols,
         x.strides[0] // 4,
-        alpha.ctypes.data,
-        beta.ctypes.data,
-        out.ctypes.data,
+        native.data(alpha),
+        native.data(beta),
+        native.data(out),
         out.strides[0] // 4,
     )
     return out

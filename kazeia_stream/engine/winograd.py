@@ -171,7 +171,7 @@ def _function(op: str) -> Callable[..., None]:
 
 
 def _call(op: str, *args: np.ndarray | int) -> None:
-    _function(op)(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args))
+    _function(op)(*(native.data(a) if isinstance(a, np.ndarray) else a for a in args))
 
 
 def planes(tiles: int, channels: int) -> np.ndarray:
