@@ -87,7 +87,7 @@ _copies: weakref.WeakKeyDictionary[Replay, ctypes.Array[_Copy]] = weakref.WeakKe
 def _copies_of(replay: Replay) -> ctypes.Array[_Copy]:
     copies = _copies.get(replay)
     if copies is None:
-        items = [_Copy(dst.ctypes.data, src.ctypes.data, src.nbytes) for dst, src in replay.inputs]
+        items = [_Copy(native.data(dst), native.data(src), src.nbytes) for dst, src in replay.inputs]
         copies = _copies[replay] = (_Copy * len(items))(*items)
     return copies
 
@@ -107,7 +107,7 @@ class CodeSteps:
         table_type: QType,
     ) -> None:
         self._samplers, self.codes, self.sums, self._tables = samplers, codes, sums, tables
-        self._table0, self._table_size = tables.ctypes.data, tables.strides[0]
+        self._table0, self._table_size = native.data(tables), tables.strides[0]
         self._draws = (_Draw * len(samplers))()
         for draw, sampler in zip(self._draws, samplers):
             p = sampler.params
@@ -117,9 +117,9 @@ class CodeSteps:
             compute=_compute(),
             rows=len(samplers),
             width=sums.shape[1],
-            sums=sums.ctypes.data,
+            sums=native.data(sums),
             draws=ctypes.addressof(self._draws),
-            codes=codes.ctypes.data,
+            codes=native.data(codes),
             table_type=int(table_type),
         )
 
@@ -129,7 +129,7 @@ class CodeSteps:
         copies = _copies_of(replay)
         s.graph, s.plan = replay.graph.graph, ctypes.addressof(replay.graph.plan(threads))
         s.copies, s.n_copies = ctypes.addressof(copies), len(copies)
-        s.x, s.logits, s.vocab = replay.x.ctypes.data, replay.logits.ctypes.data, replay.logits.shape[1]
+        s.x, s.logits, s.vocab = native.data(replay.x), native.data(replay.logits), replay.logits.shape[1]
         s.table = self._table0 + table * self._table_size
         for draw, sampler in zip(self._draws, self._samplers):
             if not draw.greedy:

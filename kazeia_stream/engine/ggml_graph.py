@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as QType
 
 from ..ggml_lib import GGMLCPlan, GGMLInitParams, GGMLTensor, ggml
 from ..model.gguf_file import GGUFFile, drop_from_page_cache
+from . import native
 
 Tensor = int  # the address of a struct ggml_tensor
 GGML_ROPE_TYPE_NEOX = 2
@@ -119,7 +120,7 @@ class ArrayTensor(_Tensors):
         if qtype == QType.F32 and array.dtype != np.float32:
             raise ValueError("a float32 array is needed")
         self.array = array  # a temporary's memory would be freed under the tensor
-        start = array.ctypes.data
+        start = native.data(array)
         base = start - start % _ALIGN  # a buffer must start aligned; the tensor need not
         super().__init__(1, base, start - base + array.nbytes)
         self.tensor = self.place("array", qtype, shape, start)
@@ -132,7 +133,7 @@ def _zeroed(size: int) -> np.ndarray:
     if hasattr(mmap, "MAP_ANONYMOUS"):
         return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
     raw = np.zeros(size + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
+    start = -native.data(raw) % _ALIGN
     return raw[start : start + size]
 
 
@@ -144,10 +145,10 @@ class Memory(_Tensors):
         sizes = [-(-nbytes(qtype, shape) // _ALIGN) * _ALIGN for qtype, shape in specs.values()]
         total = max(1, sum(sizes))
         self._bytes = _zeroed(total)
-        super().__init__(len(specs), self._bytes.ctypes.data, total)
+        super().__init__(len(specs), native.data(self._bytes), total)
         offset = 0
         for (name, (qtype, shape)), size in zip(specs.items(), sizes):
-            self.place(name, qtype, shape, self._bytes.ctypes.data + offset)
+            self.place(name, qtype, shape, native.data(self._bytes) + offset)
             offset += size
 
     def release(self, name: str, start: int, end: int) -> None:
@@ -157,7 +158,7 @@ class Memory(_Tensors):
         mapping = getattr(self._bytes.base, "obj", None)  # under np.frombuffer's memoryview
         if not isinstance(mapping, mmap.mmap):
             return
-        at, page = ggml.ggml_get_data(self[name]) - self._bytes.ctypes.data, mmap.PAGESIZE
+        at, page = ggml.ggml_get_data(self[name]) - native.data(self._bytes), mmap.PAGESIZE
         first, last = -(-(at + start) // page) * page, (at + end) // page * page
         if first < last:
             mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
@@ -191,7 +192,7 @@ class Weights(_Tensors):
         self._file = f.mapping
         self.spans = [f.span(src) for src in mapped.values()]  # (offset, size) in the file
         if huge_pages() and (share := _huge_share(self._file, self.spans)) < IN_PLACE_HUGE_SHARE:
-            _madvise(self._file.ctypes.data, len(self._file), mmap.MADV_DONTNEED)  # not held twice
+            _madvise(native.data(self._file), len(self._file), mmap.MADV_DONTNEED)  # not held twice
             starts = list(accumulate((-(-size // _ALIGN) * _ALIGN for _, size in self.spans), initial=0))
             self._bytes = _on_huge_pages(max(1, starts.pop()))
             for src, (_, size), at in zip(mapped.values(), self.spans, starts):
@@ -203,7 +204,7 @@ class Weights(_Tensors):
                 for offset, size in self.spans:
                     prefault(self._file[offset : offset + size])
             self._bytes, starts = self._file, [offset for offset, _ in self.spans]
-        base = self._bytes.ctypes.data
+        base = native.data(self._bytes)
         super().__init__(len(mapped), base, len(self._bytes))
         for (name, src), at in zip(mapped.items(), starts):
             self.place(name, f.tensor_type(src), f.tensor_shape(src), base + at)
@@ -211,8 +212,8 @@ class Weights(_Tensors):
         shapes = {name: (qtype, _logical(qtype, data.shape)) for name, (qtype, data) in converted.items()}
         self._own = Memory(shapes)
         for name, (_, data) in converted.items():
-            t = self._own[name]
-            ctypes.memmove(ggml.ggml_get_data(t), np.ascontiguousarray(data).ctypes.data, data.nbytes)
+            t, source = self._own[name], np.ascontiguousarray(data)  # held through the copy
+            ctypes.memmove(ggml.ggml_get_data(t), native.data(source), data.nbytes)
             self.tensors[name] = t
         self.nbytes = sum(size for _, size in self.spans) + sum(d.nbytes for _, d in converted.values())
 
@@ -256,7 +257,7 @@ def _huge_share(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> float:
     page on: one that holds pages read before, the header's, had the kernel read all the rest
     in small pieces); where it holds it in small pieces (a file just written, or read in small
     reads), they do not."""
-    start, huge = mapping.ctypes.data, _huge_page_size()
+    start, huge = native.data(mapping), _huge_page_size()
     _madvise(start, len(mapping), mmap.MADV_HUGEPAGE)
     for offset, n in spans:  # from its first huge page on, then its head; never to SIGBUS
         cut = min(offset + n, -(-offset // huge) * huge)
@@ -315,8 +316,8 @@ def prefault(data: np.ndarray) -> None:
 def _populate(data: np.ndarray) -> bool:
     """madvise(MADV_POPULATE_READ) (Linux 5.14) over the pages of contiguous data: whether the
     kernel mapped them all (not where the file no longer holds them)."""
-    start = data.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    return _madvise(start, data.ctypes.data + data.nbytes - start, MADV_POPULATE_READ)
+    start = native.data(data) // mmap.PAGESIZE * mmap.PAGESIZE
+    return _madvise(start, native.data(data) + data.nbytes - start, MADV_POPULATE_READ)
 
 
 def _madvise(address: int, size: int, advice: int) -> bool:
@@ -517,7 +518,7 @@ class Graph:
             if plan.work_size > self._work.nbytes:
                 self._work = np.empty(plan.work_size, np.uint8)
             self._plans[threads] = plan
-        plan.work_data = self._work.ctypes.data
+        plan.work_data = native.data(self._work)
         return plan
 
     def compute(self, threads: int) -> None:
