@@ -12,6 +12,7 @@ from decoders import PRODUCTS, tiny_decoder
 
 from kazeia_stream.engine import f32_product, snake, winograd
 from kazeia_stream.engine.codec import PANEL_COLUMNS, SPLIT_COLUMNS, CodecDecoder
+from kazeia_stream.engine.threads import available_cores
 from kazeia_stream.model.gguf_file import GGUFFile
 
 REFS = Path(__file__).parent / "data" / "refs"
@@ -191,7 +192,7 @@ def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
         teams.clear()
         decoder.push(state, reference["codes"][2:4], threads=2)
         assert seen and all(s == {2} for s in seen)
-        assert set(teams) == {1 if graphs else 2}
+        assert set(teams) == {1 if graphs else min(2, available_cores())}  # its helpers spin
         assert bool(ggml) == graphs and set(ggml) <= {1}  # one thread runs graphs on several: the generator's
         assert _blas_threads() == {2}
 

@@ -61,7 +61,7 @@ from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
 from . import f32_product, heap, snake, winograd
 from .ggml_graph import Allocator, ArrayTensor, Graph, prefault, strides, view_of
-from .threads import DECODER_GGML_THREADS, DECODER_THREADS
+from .threads import DECODER_GGML_THREADS, DECODER_THREADS, available_cores
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
 OFFICIAL_HEAD_DIM = 64
@@ -1011,9 +1011,12 @@ class CodecDecoder:
     @contextmanager
     def _threads(self, threads: int | None) -> Iterator[None]:
         """The products of the block run on `threads` threads (default: the decoder's): BLAS's,
-        and our kernel's in a team."""
+        and our kernel's in a team, of no more threads than cores (its helpers spin)."""
         n = threads or self.threads
-        with self._blas.limit(limits=n), f32_product.threads(n if self._kernel else 1):
+        with (
+            self._blas.limit(limits=n),
+            f32_product.threads(min(n, available_cores()) if self._kernel else 1),
+        ):
             yield
 
     def _check(self, codes: np.ndarray) -> np.ndarray:

@@ -139,7 +139,7 @@ class Team:
 
     @property
     def shared(self) -> int:
-        """How many products its helpers have taken shares of."""
+        """How many products it has shared with its helpers."""
         return ctypes.c_uint64.from_buffer(self._state).value
 
     def __enter__(self) -> Team:
