@@ -15,6 +15,16 @@ MAKE_CHECKPOINT = ROOT / "tools" / "make_random_checkpoint.py"
 TINY_SEEDS = {"custom_voice": 1, "voice_design": 2, "base": 3}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def weight_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The codec decoder's weight cache for every test and the processes it starts: a folder of
+    the session's, never the user's (a decoder's later loads map what its first one saved)."""
+    folder = tmp_path_factory.mktemp("weight-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KAZEIA_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`tiny_checkpoint(kind, seed=None)`: directory of a tiny random checkpoint in the

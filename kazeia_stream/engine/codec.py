@@ -44,12 +44,14 @@ the tensor shapes, so the tiny test models run through the same code as the real
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -59,9 +61,10 @@ from threadpoolctl import ThreadpoolController
 from ..ggml_lib import widen
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from . import f32_product, heap, snake, winograd
+from . import f32_product, heap, native, snake, winograd
 from .ggml_graph import Allocator, ArrayTensor, Graph, prefault, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS, available_cores
+from .weight_cache import Make, Stale, WeightCache
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
 OFFICIAL_HEAD_DIM = 64
@@ -116,6 +119,8 @@ FRAME_HEAP = 30 << 20
 _ROW_PAD = 16
 
 F32 = np.float32
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,14 +230,16 @@ class Matrix:
         np.copyto(out, result.T)
         return out
 
-    def multiply_directly(self, variant: str, panels: bool) -> None:
+    def multiply_directly(self, variant: str, panels: bool, cache: WeightCache | None = None) -> None:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
-        copied into `panels` (the row-major copy let go), of float16 where the file stores W so."""
-        self.variant = variant
+        copied into `panels` (the row-major copy let go), of float16 where the file stores W so;
+        a copy made, or taken from `cache`."""
+        self.variant, w = variant, self.array
         if panels:
-            self.array = f32_product.pack(self.array)
-        else:
-            self.widen()
+            shape = f32_product.packed_shape(w.shape)
+            self.array = _made(cache, shape, w.dtype, lambda: f32_product.pack(w))
+        elif w.dtype != F32 or not w.flags.c_contiguous:  # else in place as it is
+            self.array = _made(cache, w.shape, np.dtype(F32), lambda: _float32(w))
 
     def widen(self) -> None:
         """W as float32 from now on, where the file stores it in float16."""
@@ -410,13 +417,17 @@ class CausalConv:
             self.products = [Matrix(weight[:, :, j]) for j in range(self.k)]
             self.method = "taps"
 
-    def tile(self) -> None:
+    def tile(self, cache: WeightCache | None = None) -> None:
         """Multiply in Winograd's F(4, 7) from now on, where it runs (7 taps, our kernel built):
-        5/14 of the multiply-adds, within float rounding of the direct products."""
+        5/14 of the multiply-adds, within float rounding of the direct products. The transformed
+        weights only matter packed (`cache`: where it holds those, they are not computed)."""
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
-        weight = _float32(self.products[0].array).reshape(-1, self.c_in, self.k)
-        self.products = [Matrix(u, column_major=True) for u in winograd.kernel_weights(weight)]
+        weight = self.products[0].array
+        shape = (winograd.SIZE, weight.shape[0], self.c_in)
+        make = lambda: winograd.kernel_weights(_float32(weight).reshape(-1, self.c_in, self.k))
+        u = make() if cache is None else cache.interim(shape, np.dtype(F32), make)
+        self.products = [Matrix(u_k, column_major=True) for u_k in u]
         self.method = "winograd"
 
     def calls(self, n: int) -> Iterator[tuple[Matrix, int]]:
@@ -886,9 +897,20 @@ class CodecDecoder:
         self._blas = ThreadpoolController().select(user_api="blas")
         self._kernel = f32_product.chosen()  # our kernel's variant, or None: ggml's and BLAS's
         with self._threads(None):  # the load's products too: a second thread spins after them
-            self._load(mmproj)
+            if self._kernel is None:
+                self._load(mmproj, None)
+                return
+            cache = WeightCache(mmproj.path, _code(), f"winograd={winograd.available()}")
+            try:
+                self._load(mmproj, cache)
+                cache.finish()
+            except Stale as e:  # the saved arrays are others: made anew, and saved
+                log.debug("%s: %s", cache.path, e)
+                cache.forget()
+                self._load(mmproj, cache)
+                cache.finish()
 
-    def _load(self, f: GGUFFile) -> None:
+    def _load(self, f: GGUFFile, cache: WeightCache | None) -> None:
         self.quantizer = Quantizer(f)
         self.pre_conv = CausalConv(*_conv(f, L.WAV_PRE_CONV))
         self.transformer = Transformer(f)
@@ -906,14 +928,14 @@ class CodecDecoder:
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
             if conv in dilated:  # most of the multiply-adds: in Winograd's F(4, 7) where it runs
-                conv.tile()
+                conv.tile(cache)
             if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
         kernel = self._kernel
         per_stream = self._per_stream_matrices()
         for key, (matrix, columns) in self.matrices().items():
             if kernel is not None:
-                matrix.multiply_directly(kernel, panels=matrix.column_major or columns < PANEL_COLUMNS)
+                matrix.multiply_directly(kernel, matrix.column_major or columns < PANEL_COLUMNS, cache)
             else:
                 matrix.widen()
                 if columns <= GGML_COLUMNS or key not in per_stream:
@@ -1181,6 +1203,18 @@ def _float32(w: np.ndarray, columns: int = 16) -> np.ndarray:
     for i in range(0, w.shape[1], columns):
         out[:, i : i + columns] = w[:, i : i + columns]
     return out
+
+
+def _made(cache: WeightCache | None, shape: tuple[int, ...], dtype: np.dtype[Any], make: Make) -> np.ndarray:
+    """An array the decoder keeps: made, or taken from `cache` (`WeightCache.final`)."""
+    return make() if cache is None else cache.final(shape, dtype, make)
+
+
+def _code() -> list[Path]:
+    """The files of the code that makes the weights' layouts (`WeightCache`'s key)."""
+    kernel = native.library("f32_product")
+    modules = [Path(__file__), Path(winograd.__file__), Path(f32_product.__file__)]
+    return modules + ([Path(kernel._name)] if kernel is not None else [])
 
 
 def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:

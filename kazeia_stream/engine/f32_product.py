@@ -53,13 +53,19 @@ def chosen() -> str | None:
     return native.chosen("f32_product", ENV)
 
 
+def packed_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """The shape of `pack`'s panels of a matrix of `shape` [out, in]."""
+    out, k = shape
+    return -(-out // PANEL), k, PANEL
+
+
 def pack(w: np.ndarray) -> np.ndarray:
     """A float32 or float16 matrix [out, in] (any strides: a transposed view will do) as
     `multiply`'s panels take it, in its own type: PANEL rows at a time, each panel [in, PANEL],
     the rows beyond `out` zero: [ceil(out / PANEL), in, PANEL], in one pass of our kernel's
     (numpy's transposes took 3x as long to load the decoder)."""
     out, k = w.shape
-    packed = np.empty((-(-out // PANEL), k, PANEL), w.dtype)
+    packed = np.empty(packed_shape(w.shape), w.dtype)
     row, col = (s // w.itemsize for s in w.strides)
     _function("pack" + _WEIGHTS[w.dtype])(native.data(w), out, k, row, col, native.data(packed))
     return packed
