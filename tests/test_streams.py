@@ -319,6 +319,7 @@ async def test_barge_in_on_one_stream_leaves_the_others_as_they_were(shared, alo
     assert sorted(shared.frames.free) == [0, 1, 2]
 
 
+@pytest.mark.serial  # beside a busy core it failed 1 run in 4, on the code of 2026-12-05 afternoon too
 async def test_streams_beyond_the_maximum_wait_in_order(model, alone):
     runtime = kazeia_stream.Runtime(model, max_streams=2)
     spans: dict[str, tuple[float, float]] = {}
