@@ -107,13 +107,16 @@ class WeightCache:
 
 def folder_of_caches() -> Path | None:
     """$KAZEIA_CACHE, else $XDG_CACHE_HOME/kazeia-stream (~/.cache/...); None for
-    `KAZEIA_CACHE=0`."""
+    `KAZEIA_CACHE=0`, or with no home folder."""
     chosen = os.environ.get(CACHE_ENV)
     if chosen == "0":
         return None
     if chosen:
         return Path(chosen)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kazeia-stream"
+    try:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kazeia-stream"
+    except RuntimeError:  # no home folder known
+        return None
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
