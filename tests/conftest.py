@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,16 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MAKE_CHECKPOINT = ROOT / "tools" / "make_random_checkpoint.py"
 # The seeds tools/make_references.py built its tiny checkpoints from (tests/data/refs/*.npz).
 TINY_SEEDS = {"custom_voice": 1, "voice_design": 2, "base": 3}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def weight_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The codec decoder's weight cache for every test and the processes it starts: a folder of
-    the session's, never the user's (a decoder's later loads map what its first one saved)."""
-    folder = tmp_path_factory.mktemp("weight-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KAZEIA_CACHE", str(folder))
-        yield folder
 
 
 @pytest.fixture(scope="session")
@@ -190,6 +183,17 @@ def slow_decoder(monkeypatch: pytest.MonkeyPatch):
         return pushes
 
     return slow
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The codec decoder's weight cache for every test and the processes it starts: a folder of
+    the session's, never the user's (a decoder's later loads map what its first one saved). Set
+    before the test modules import, as some copy the environment then."""
+    os.environ["KAZEIA_CACHE"] = tempfile.mkdtemp(prefix="kazeia-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop("KAZEIA_CACHE", ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
