@@ -67,7 +67,9 @@ class Runtime:
         # its prompt and first frame: only its decode waits for the decoder (`codec`). Begun
         # first, the decoder's load took the core that the two engines' mapping needed, beside
         # the vocabulary's load (0.27 against 0.06 s for them; `--pipe`'s first byte 1.432
-        # against 1.383 s, medians of 16 alternated runs, Zen 1). No engine gets a throw-away
+        # against 1.383 s, medians of 16 alternated runs, Zen 1; its weights cached since, a load
+        # of 0.1-0.3 s, the two orders measured 1.879 and 1.882 s in one round of 12, the load
+        # first 0.21 s ahead in another: left so). No engine gets a throw-away
         # step: the talker's and the code predictor's delayed the first audio from process start
         # by 0.1-0.5 s (a quiet to a busy host), the decoder's by 0.1 s (its frame took the core
         # the session's first rows needed), and each saved its engine's first call 20 ms at most.
