@@ -2,9 +2,10 @@
 mapped at later loads.
 
 Packing the decoder's weights in panels, widening its float16 ones that run in place and
-transforming its dilated convolutions for Winograd's algorithm took 0.4-0.9 s of each start on
-Zen 1, most of it page faults in 0.35 GB of fresh memory; mapping the saved arrays takes 0.06 s
-from the page cache. A GGUF file of our own per mmproj file, in $KAZEIA_CACHE, else
+transforming its dilated convolutions for Winograd's algorithm took 0.4-1.2 s of each start on
+Zen 1, much of it page faults in 0.35 GB of fresh memory; with the saved arrays mapped (from
+the page cache) the decoder's load takes 0.1-0.17 s. Saving them costs the first load 0.3-0.6
+s. A GGUF file of our own per mmproj file, in $KAZEIA_CACHE, else
 $XDG_CACHE_HOME/kazeia-stream, else ~/.cache/kazeia-stream (`KAZEIA_CACHE=0`: none). It is used
 only while the mmproj file keeps its size and modification time, for the code that wrote it (a
 digest of the modules that make the arrays) and the arrays the load asks for, in order, of the
@@ -57,7 +58,7 @@ class WeightCache:
             layout,
         ]
         self.key = "\n".join(parts)
-        folder = folder_of_caches()
+        folder = _folder()
         name = hashlib.sha256(f"{parts[0]}\n{layout}".encode()).hexdigest()[:24]
         self.path = None if folder is None else folder / f"decoder-{name}.gguf"
         self._saved = _read(self.path, self.key) if self.path is not None else None
@@ -105,7 +106,7 @@ class WeightCache:
         self._made = []
 
 
-def folder_of_caches() -> Path | None:
+def _folder() -> Path | None:
     """$KAZEIA_CACHE, else $XDG_CACHE_HOME/kazeia-stream (~/.cache/...); None for
     `KAZEIA_CACHE=0`, or with no home folder."""
     chosen = os.environ.get(CACHE_ENV)
