@@ -276,6 +276,8 @@ def test_load_and_read_give_every_tensor_as_the_mapping_does(tiny_gguf, out_type
             assert read.dtype == np.float32 and np.array_equal(read, mapped)
             loaded, raw = f.load(name), f.raw(name)
             assert loaded.dtype == raw.dtype and np.array_equal(loaded, raw)
+            view = f.view(name)  # of the file's one mapping
+            assert view.dtype == raw.dtype and view.shape == raw.shape and np.array_equal(view, raw)
             assert not isinstance(read, np.memmap) and not isinstance(loaded, np.memmap)
 
 

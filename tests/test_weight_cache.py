@@ -99,23 +99,23 @@ def test_a_cache_follows_the_arrays_asked_for_in_order(tmp_path, monkeypatch):
     source.write_bytes(b"weights")
     a, b = np.arange(12, dtype=np.float32).reshape(1, 3, 4), np.ones(5, np.float16)
     f32 = np.dtype(np.float32)
-    recording = WeightCache(source, [source], "x")
+    recording = WeightCache.of(source, [source], "x")
     assert not recording.replaying
     assert recording.final(a.shape, f32, lambda: a) is a and recording.interim((2,), f32, lambda: b) is b
     recording.final(b.shape, b.dtype, lambda: b)
     recording.finish()
-    again = WeightCache(source, [source], "x")
+    again = WeightCache.of(source, [source], "x")
     assert again.replaying and again.interim((9, 9), f32, pytest.fail).shape == (9, 9)
     assert np.array_equal(again.final(a.shape, f32, pytest.fail), a)  # a leading 1 kept
     with pytest.raises(Stale):
         again.final((5,), f32, pytest.fail)  # float16 saved
-    short = WeightCache(source, [source], "x")
+    short = WeightCache.of(source, [source], "x")
     short.final(a.shape, f32, pytest.fail)
     with pytest.raises(Stale):
         short.finish()  # one array left unasked
-    assert not WeightCache(source, [source], "y").replaying  # other choices: another file
+    assert not WeightCache.of(source, [source], "y").replaying  # other choices: another file
     source.write_bytes(b"weights!")
-    assert not WeightCache(source, [source], "x").replaying
+    assert not WeightCache.of(source, [source], "x").replaying
 
 
 @pytest.mark.parametrize("setting", ["0", "a file"])

@@ -64,7 +64,7 @@ from ..model.gguf_file import GGUFFile
 from . import f32_product, heap, native, snake, winograd
 from .ggml_graph import Allocator, ArrayTensor, Graph, prefault, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS, available_cores
-from .weight_cache import Make, Stale, WeightCache
+from .weight_cache import UNSAVED, Stale, WeightCache
 
 # Official decoder_config values, for published files that lack our kazeia.codec.* keys.
 OFFICIAL_HEAD_DIM = 64
@@ -230,16 +230,16 @@ class Matrix:
         np.copyto(out, result.T)
         return out
 
-    def multiply_directly(self, variant: str, panels: bool, cache: WeightCache | None = None) -> None:
+    def multiply_directly(self, variant: str, panels: bool, cache: WeightCache = UNSAVED) -> None:
         """From now on, multiply on our kernel's `variant`, called directly: W in place, or
         copied into `panels` (the row-major copy let go), of float16 where the file stores W so;
         a copy made, or taken from `cache`."""
         self.variant, w = variant, self.array
         if panels:
             shape = f32_product.packed_shape(w.shape)
-            self.array = _made(cache, shape, w.dtype, lambda: f32_product.pack(w))
+            self.array = cache.final(shape, w.dtype, lambda: f32_product.pack(w))
         elif w.dtype != F32 or not w.flags.c_contiguous:  # else in place as it is
-            self.array = _made(cache, w.shape, np.dtype(F32), lambda: _float32(w))
+            self.array = cache.final(w.shape, np.dtype(F32), lambda: _float32(w))
 
     def widen(self) -> None:
         """W as float32 from now on, where the file stores it in float16."""
@@ -417,7 +417,7 @@ class CausalConv:
             self.products = [Matrix(weight[:, :, j]) for j in range(self.k)]
             self.method = "taps"
 
-    def tile(self, cache: WeightCache | None = None) -> None:
+    def tile(self, cache: WeightCache = UNSAVED) -> None:
         """Multiply in Winograd's F(4, 7) from now on, where it runs (7 taps, our kernel built):
         5/14 of the multiply-adds, within float rounding of the direct products. The transformed
         weights only matter packed (`cache`: where it holds those, they are not computed)."""
@@ -426,7 +426,7 @@ class CausalConv:
         weight = self.products[0].array
         shape = (winograd.SIZE, weight.shape[0], self.c_in)
         make = lambda: winograd.kernel_weights(_float32(weight).reshape(-1, self.c_in, self.k))
-        u = make() if cache is None else cache.interim(shape, np.dtype(F32), make)
+        u = cache.interim(shape, np.dtype(F32), make)
         self.products = [Matrix(u_k, column_major=True) for u_k in u]
         self.method = "winograd"
 
@@ -897,10 +897,8 @@ class CodecDecoder:
         self._blas = ThreadpoolController().select(user_api="blas")
         self._kernel = f32_product.chosen()  # our kernel's variant, or None: ggml's and BLAS's
         with self._threads(None):  # the load's products too: a second thread spins after them
-            if self._kernel is None:
-                self._load(mmproj, None)
-                return
-            cache = WeightCache(mmproj.path, _code(), f"winograd={winograd.available()}")
+            layout = f"winograd={winograd.available()}"
+            cache = WeightCache.of(mmproj.path, _code(), layout) if self._kernel else UNSAVED
             try:
                 self._load(mmproj, cache)
                 cache.finish()
@@ -910,7 +908,7 @@ class CodecDecoder:
                 self._load(mmproj, cache)
                 cache.finish()
 
-    def _load(self, f: GGUFFile, cache: WeightCache | None) -> None:
+    def _load(self, f: GGUFFile, cache: WeightCache) -> None:
         self.quantizer = Quantizer(f)
         self.pre_conv = CausalConv(*_conv(f, L.WAV_PRE_CONV))
         self.transformer = Transformer(f)
@@ -1203,11 +1201,6 @@ def _float32(w: np.ndarray, columns: int = 16) -> np.ndarray:
     for i in range(0, w.shape[1], columns):
         out[:, i : i + columns] = w[:, i : i + columns]
     return out
-
-
-def _made(cache: WeightCache | None, shape: tuple[int, ...], dtype: np.dtype[Any], make: Make) -> np.ndarray:
-    """An array the decoder keeps: made, or taken from `cache` (`WeightCache.final`)."""
-    return make() if cache is None else cache.final(shape, dtype, make)
 
 
 def _code() -> list[Path]:

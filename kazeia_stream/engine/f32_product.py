@@ -109,9 +109,10 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
         assert x.strides[1] == out.strides[1] == w.strides[1] == 4, "rows of contiguous numbers"
         op, w_row, x_step, out_step = "rows", w.strides[0] // 4, x.strides[0], out.strides[0]
     team = _team.get()
+    address, parts = (team.address, team.threads) if team else (None, 1)
     _calls().kz_f32_product_shared(
-        team and team.address,
-        team.threads if team else 1,
+        address,
+        parts,
         native.address("f32_product", variant, op),
         native.data(w),
         w.itemsize,

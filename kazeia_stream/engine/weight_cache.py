@@ -4,7 +4,7 @@ mapped at later loads.
 Packing the decoder's weights in panels, widening its float16 ones that run in place and
 transforming its dilated convolutions for Winograd's algorithm took 0.4-1.2 s of each start on
 Zen 1, much of it page faults in 0.35 GB of fresh memory; with the saved arrays mapped (from
-the page cache) the decoder's load takes 0.1-0.17 s. Saving them costs the first load 0.3-0.6
+the page cache) the decoder's load takes 0.07-0.17 s. Saving them costs the first load 0.3-0.6
 s. A GGUF file of our own per mmproj file, in $KAZEIA_CACHE, else
 $XDG_CACHE_HOME/kazeia-stream, else ~/.cache/kazeia-stream (`KAZEIA_CACHE=0`: none). It is used
 only while the mmproj file keeps its size and modification time, for the code that wrote it (a
@@ -46,9 +46,18 @@ class WeightCache:
     """The arrays a decoder's load makes, in the order it makes them: the saved ones
     (`replaying`), else computed and kept, to be saved at `finish`."""
 
-    def __init__(self, source: Path, code: Sequence[Path], layout: str) -> None:
+    def __init__(self, path: Path | None = None, key: str = "") -> None:
+        """The arrays saved in `path` under `key`; with no path (`UNSAVED`), every array is
+        computed and nothing is kept or saved."""
+        self.path, self.key = path, key
+        self._saved = _read(path, key) if path is not None else None
+        self._next = 0
+        self._made: list[np.ndarray] = []
+
+    @classmethod
+    def of(cls, source: Path, code: Sequence[Path], layout: str) -> WeightCache:
         """The cache of arrays made from the file `source` by the files of `code`, with the
-        choices `layout` names (which the arrays' shapes may not tell apart)."""
+        choices `layout` names (which the arrays' shapes may not tell apart), in `_folder()`."""
         stat = source.stat()
         parts = [
             str(source.resolve()),
@@ -57,13 +66,9 @@ class WeightCache:
             _digest(tuple(code)),
             layout,
         ]
-        self.key = "\n".join(parts)
         folder = _folder()
         name = hashlib.sha256(f"{parts[0]}\n{layout}".encode()).hexdigest()[:24]
-        self.path = None if folder is None else folder / f"decoder-{name}.gguf"
-        self._saved = _read(self.path, self.key) if self.path is not None else None
-        self._next = 0
-        self._made: list[np.ndarray] = []
+        return cls(None if folder is None else folder / f"decoder-{name}.gguf", "\n".join(parts))
 
     @property
     def replaying(self) -> bool:
@@ -75,7 +80,8 @@ class WeightCache:
         type), else `compute()`, kept to be saved."""
         if self._saved is None:
             made = compute()
-            self._made.append(made)
+            if self.path is not None:
+                self._made.append(made)
             return made
         if self._next == len(self._saved):
             raise Stale(f"more arrays than the {len(self._saved)} saved")
@@ -104,6 +110,9 @@ class WeightCache:
         if self.path is not None:
             _write(self.path, self.key, self._made)
         self._made = []
+
+
+UNSAVED = WeightCache()  # arrays computed, never kept: a load with no cache
 
 
 def _folder() -> Path | None:
@@ -146,7 +155,7 @@ def _read(path: Path, key: str) -> list[np.ndarray] | None:
         if f.get(_KEY) != key:
             log.debug("%s: made from other files or code, to be replaced", path)
             return None
-        return [f.raw(str(i)) for i in range(len(f.tensor_names))]
+        return [f.view(str(i)) for i in range(len(f.tensor_names))]
     except (ModelFileError, OSError, KeyError) as e:
         log.debug("%s: passed over (%s)", path, e)
         return None

@@ -206,6 +206,14 @@ class GGUFFile:
         dtype, shape = self._layout(name)
         return np.memmap(self.path, dtype=dtype, mode="r", offset=self.span(name)[0], shape=shape)
 
+    def view(self, name: str) -> np.ndarray:
+        """The stored data as `raw` gives it, but a view of the whole file's one mapping
+        (`mapping`): for many tensors of a file, one mapping rather than one each (187 of them
+        took 40-50 ms to map on Zen 1)."""
+        dtype, shape = self._layout(name)
+        offset, size = self.span(name)
+        return self.mapping[offset : offset + size].view(dtype).reshape(shape)
+
     def load(self, name: str) -> np.ndarray:
         """The stored data (as `raw`) read into memory the process owns (`read_into`), on huge
         pages for large arrays (numpy's)."""
