@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from kazeia_stream.engine import f32_product, weight_cache, winograd
+from kazeia_stream.engine import cache_files, f32_product, winograd
 from kazeia_stream.engine.codec import CodecDecoder
 from kazeia_stream.engine.weight_cache import Stale, WeightCache
 from kazeia_stream.model.gguf_file import GGUFFile
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not f32_product.variants(), reason="our kernel i
 @pytest.fixture
 def mmproj(tiny_gguf, tmp_path, monkeypatch):
     """A copy of a tiny mmproj file, with a cache folder of its own."""
-    monkeypatch.setenv(weight_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(cache_files.CACHE_ENV, str(tmp_path / "cache"))
     return shutil.copy(tiny_gguf("custom_voice")[1], tmp_path / "mmproj.gguf")
 
 
@@ -54,7 +54,7 @@ def test_a_later_load_maps_what_the_first_saved_and_decodes_the_same(mmproj, mad
     assert all(not m.array.flags.writeable for m, _ in later.products() if m.panels)  # the file's
     expected = _samples(first)
     assert np.array_equal(_samples(later), expected)
-    monkeypatch.setenv(weight_cache.CACHE_ENV, "0")
+    monkeypatch.setenv(cache_files.CACHE_ENV, "0")
     assert np.array_equal(_samples(CodecDecoder(GGUFFile(mmproj), 1)), expected)
 
 
@@ -85,16 +85,16 @@ def test_saved_arrays_that_the_load_does_not_ask_for_are_made_anew(mmproj, made,
     made.clear()
     decoder = CodecDecoder(GGUFFile(mmproj), 1)
     assert "pack" in made
-    monkeypatch.setenv(weight_cache.CACHE_ENV, "0")
+    monkeypatch.setenv(cache_files.CACHE_ENV, "0")
     assert np.array_equal(_samples(decoder), _samples(CodecDecoder(GGUFFile(mmproj), 1)))
     made.clear()
-    monkeypatch.setenv(weight_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(cache_files.CACHE_ENV, str(tmp_path / "cache"))
     CodecDecoder(GGUFFile(mmproj), 1)
     assert not made
 
 
 def test_a_cache_follows_the_arrays_asked_for_in_order(tmp_path, monkeypatch):
-    monkeypatch.setenv(weight_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cache_files.CACHE_ENV, str(tmp_path))
     source = tmp_path / "source.bin"
     source.write_bytes(b"weights")
     a, b = np.arange(12, dtype=np.float32).reshape(1, 3, 4), np.ones(5, np.float16)
@@ -121,7 +121,7 @@ def test_a_cache_follows_the_arrays_asked_for_in_order(tmp_path, monkeypatch):
 @pytest.mark.parametrize("setting", ["0", "a file"])
 def test_no_cache_where_it_is_turned_off_or_cannot_be_written(mmproj, tmp_path, monkeypatch, setting):
     (tmp_path / "a file").write_text("not a folder")
-    monkeypatch.setenv(weight_cache.CACHE_ENV, setting if setting == "0" else str(tmp_path / setting))
+    monkeypatch.setenv(cache_files.CACHE_ENV, setting if setting == "0" else str(tmp_path / setting))
     decoder = CodecDecoder(GGUFFile(mmproj), 1)
     assert _samples(decoder).size and not _saved(tmp_path)
     assert (tmp_path / "a file").read_text() == "not a folder"

@@ -5,37 +5,26 @@ Packing the decoder's weights in panels, widening its float16 ones that run in p
 transforming its dilated convolutions for Winograd's algorithm took 0.4-1.2 s of each start on
 Zen 1, much of it page faults in 0.35 GB of fresh memory; with the saved arrays mapped (from
 the page cache) the decoder's load takes 0.07-0.17 s. Saving them costs the first load 0.3-0.6
-s. A GGUF file of our own per mmproj file, in $KAZEIA_CACHE, else
-$XDG_CACHE_HOME/kazeia-stream, else ~/.cache/kazeia-stream (`KAZEIA_CACHE=0`: none). It is used
-only while the mmproj file keeps its size and modification time, for the code that wrote it (a
-digest of the modules that make the arrays) and the arrays the load asks for, in order, of the
-same shapes and types (`Stale` otherwise: the load computes them and writes the file anew). A
-file that cannot be read or written is passed over, logged at debug level.
+s. A file per mmproj file and layout (`cache_files`), used only while the mmproj file keeps its
+size and modification time, for the code that wrote it (a digest of the modules that make the
+arrays) and the arrays the load asks for, in order, of the same shapes and types (`Stale`
+otherwise: the load computes them and writes the file anew).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import ModelFileError
-from ..model.gguf_file import GGUFFile
+from . import cache_files
 
 log = logging.getLogger(__name__)
 
 Make = Callable[[], np.ndarray]  # an array's computation
-
-CACHE_ENV = "KAZEIA_CACHE"
-_ARCH = "kazeia-decoder-cache"
-_KEY = "kazeia.cache.key"  # what the arrays were made from and by (`WeightCache.key`)
 
 
 class Stale(Exception):
@@ -50,25 +39,20 @@ class WeightCache:
         """The arrays saved in `path` under `key`; with no path (`UNSAVED`), every array is
         computed and nothing is kept or saved."""
         self.path, self.key = path, key
-        self._saved = _read(path, key) if path is not None else None
+        self._saved = cache_files.read(path, key) if path is not None else None
         self._next = 0
         self._made: list[np.ndarray] = []
 
     @classmethod
     def of(cls, source: Path, code: Sequence[Path], layout: str) -> WeightCache:
         """The cache of arrays made from the file `source` by the files of `code`, with the
-        choices `layout` names (which the arrays' shapes may not tell apart), in `_folder()`."""
-        stat = source.stat()
-        parts = [
-            str(source.resolve()),
-            str(stat.st_size),
-            str(stat.st_mtime_ns),
-            _digest(tuple(code)),
-            layout,
-        ]
-        folder = _folder()
-        name = hashlib.sha256(f"{parts[0]}\n{layout}".encode()).hexdigest()[:24]
-        return cls(None if folder is None else folder / f"decoder-{name}.gguf", "\n".join(parts))
+        choices `layout` names (which the arrays' shapes may not tell apart), in the cache folder
+        (none there with no folder: `UNSAVED`)."""
+        folder = cache_files.folder()
+        if folder is None:
+            return UNSAVED
+        path = folder / cache_files.name("decoder", str(source.resolve()), layout)
+        return cls(path, cache_files.key(source, code, layout))
 
     @property
     def replaying(self) -> bool:
@@ -107,26 +91,12 @@ class WeightCache:
             if self._next != len(self._saved):
                 raise Stale(f"{self._next} arrays asked for, {len(self._saved)} saved")
             return
-        if self.path is not None:
-            _write(self.path, self.key, self._made)
+        if self.path is not None and cache_files.write(self.path, self.key, self._made):
+            log.debug("%s: the decoder's weights saved (%d arrays)", self.path, len(self._made))
         self._made = []
 
 
 UNSAVED = WeightCache()  # arrays computed, never kept: a load with no cache
-
-
-def _folder() -> Path | None:
-    """$KAZEIA_CACHE, else $XDG_CACHE_HOME/kazeia-stream (~/.cache/...); None for
-    `KAZEIA_CACHE=0`, or with no home folder."""
-    chosen = os.environ.get(CACHE_ENV)
-    if chosen == "0":
-        return None
-    if chosen:
-        return Path(chosen)
-    try:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kazeia-stream"
-    except RuntimeError:  # no home folder known
-        return None
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -135,54 +105,3 @@ def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
     while len(dims) > 1 and dims[0] == 1:
         dims.pop(0)
     return tuple(dims)
-
-
-@cache
-def _digest(files: tuple[Path, ...]) -> str:
-    """The code that makes the arrays, as a digest of its files."""
-    h = hashlib.sha256()
-    for file in files:
-        h.update(file.read_bytes())
-    return h.hexdigest()
-
-
-def _read(path: Path, key: str) -> list[np.ndarray] | None:
-    """The arrays saved in `path` for `key`, mapped read-only; None where there are none."""
-    if not path.is_file():
-        return None
-    try:
-        f = GGUFFile(path)
-        if f.get(_KEY) != key:
-            log.debug("%s: made from other files or code, to be replaced", path)
-            return None
-        return [f.view(str(i)) for i in range(len(f.tensor_names))]
-    except (ModelFileError, OSError, KeyError) as e:
-        log.debug("%s: passed over (%s)", path, e)
-        return None
-
-
-def _write(path: Path, key: str, arrays: list[np.ndarray]) -> None:
-    """`arrays` saved under `key`: a temporary file beside `path`, then renamed to it."""
-    import gguf  # the writer: only where a cache is written
-
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            dir=path.parent, prefix=".decoder-", suffix=".tmp", delete=False
-        ) as f:
-            tmp = Path(f.name)
-        writer = gguf.GGUFWriter(tmp, _ARCH)
-        writer.add_string(_KEY, key)
-        for i, a in enumerate(arrays):
-            writer.add_tensor(str(i), np.ascontiguousarray(a))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-        log.debug("%s: the decoder's weights saved (%d arrays)", path, len(arrays))
-    except OSError as e:
-        log.debug("%s: not saved (%s)", path, e)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)

@@ -1,0 +1,109 @@
+"""Arrays that took long to make, saved once in a file of our own and mapped at later starts
+(`weight_cache`: the codec decoder's weights in its layouts; `rows_cache`: the talker's KV
+cells of a session's fixed rows).
+
+A file is a GGUF file (gguf-py's writer, our `GGUFFile` reader) in $KAZEIA_CACHE, else
+$XDG_CACHE_HOME/kazeia-stream, else ~/.cache/kazeia-stream (`KAZEIA_CACHE=0`: none). It holds a
+key that says what the arrays were made from and by (`key`): read under another key it is
+passed over, and made and written anew, whole (a temporary file renamed over it). A file that
+cannot be read or written is passed over, logged at debug level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelFileError
+from ..model.gguf_file import GGUFFile
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "KAZEIA_CACHE"
+_KEY = "kazeia.cache.key"  # what the arrays were made from and by (`key`)
+
+
+def folder() -> Path | None:
+    """$KAZEIA_CACHE, else $XDG_CACHE_HOME/kazeia-stream (~/.cache/...); None for
+    `KAZEIA_CACHE=0`, or with no home folder."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen == "0":
+        return None
+    if chosen:
+        return Path(chosen)
+    try:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kazeia-stream"
+    except RuntimeError:  # no home folder known
+        return None
+
+
+def key(source: Path, code: Sequence[Path], *choices: str) -> str:
+    """A key for arrays made from the file `source` (as it is now: its path, size and
+    modification time) by the files of `code` (a digest of them), with `choices` that neither
+    tells apart."""
+    stat = source.stat()
+    parts = [str(source.resolve()), str(stat.st_size), str(stat.st_mtime_ns), _digest(tuple(code))]
+    return "\n".join([*parts, *choices])
+
+
+def name(kind: str, *parts: str) -> str:
+    """A cache file's name for arrays of `kind` ("decoder", "rows") told apart by `parts`."""
+    return f"{kind}-{hashlib.sha256(chr(10).join(parts).encode()).hexdigest()[:24]}.gguf"
+
+
+@cache
+def _digest(files: tuple[Path, ...]) -> str:
+    """The code that makes the arrays, as a digest of its files."""
+    h = hashlib.sha256()
+    for file in files:
+        h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def read(path: Path, key: str) -> list[np.ndarray] | None:
+    """The arrays saved in `path` for `key`, mapped read-only; None where there are none."""
+    if not path.is_file():
+        return None
+    try:
+        f = GGUFFile(path)
+        if f.get(_KEY) != key:
+            log.debug("%s: made from other files or code, to be replaced", path)
+            return None
+        return [f.view(str(i)) for i in range(len(f.tensor_names))]
+    except (ModelFileError, OSError, KeyError) as e:
+        log.debug("%s: passed over (%s)", path, e)
+        return None
+
+
+def write(path: Path, key: str, arrays: Sequence[np.ndarray]) -> bool:
+    """`arrays` saved under `key`: a temporary file beside `path`, then renamed to it. Whether
+    it was."""
+    import gguf  # the writer: only where a cache is written
+
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".", suffix=".tmp", delete=False) as f:
+            tmp = Path(f.name)
+        writer = gguf.GGUFWriter(tmp, "kazeia-cache")
+        writer.add_string(_KEY, key)
+        for i, a in enumerate(arrays):
+            writer.add_tensor(str(i), np.ascontiguousarray(a))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        log.debug("%s: not saved (%s)", path, e)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        return False
