@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kazeia_stream
+from kazeia_stream.engine import cache_files
 from kazeia_stream.engine.dump import teacher_forced_talker
 from kazeia_stream.engine.talker import TalkerState
 
@@ -87,6 +88,7 @@ def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(t
 def test_keeping_a_prompt_s_fixed_rows_computes_those_rows_and_no_more(tiny_runtime, monkeypatch):
     """A session's rows computed ahead (`keep`) are its fixed rows only; an utterance after
     them computes the rest, and gets what it gets from scratch."""
+    monkeypatch.setenv(cache_files.CACHE_ENV, "0")  # computed, not read from a file (test_rows_cache)
     runtime = tiny_runtime("custom_voice")
     model, talker = runtime.model, runtime.talker
     prompt = model.prompt("Kept ahead.", voice="ryan")

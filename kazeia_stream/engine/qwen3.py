@@ -188,6 +188,7 @@ class Qwen3LM:
         self.v_block = min(V_BLOCK, n_ctx)
         self.v_blocks = -(-n_ctx // self.v_block)
         kv = QType.F32 if kv_f32 else QType.F16
+        self.kv_dtype = np.dtype(np.float32 if kv_f32 else np.float16)
         specs: dict[str, tuple[QType, tuple[int, ...]]] = {}
         for bid in range(cfg.num_layers):
             specs[f"{bid}.k"] = (kv, (slots, n_ctx, self.kv_dim))
@@ -304,6 +305,36 @@ class Qwen3LM:
             start += n
         if call.head_index is not None:
             call.head_index[...] = head_index
+
+    def cells(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The KV cache of slot `slot`'s first `n` positions: K and V, each [layers, n, kv
+        channels] (`set_cells` writes them back)."""
+        blocks = -(-n // self.v_block)
+        k = [k[slot, :n] for k, _ in self._kv]
+        v = [v[slot, :blocks].transpose(0, 2, 1).reshape(-1, self.kv_dim)[:n] for _, v in self._kv]
+        return np.stack(k), np.stack(v)
+
+    def set_cells(self, slot: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write K and V (as `cells` gives them) into slot `slot`'s first positions."""
+        n = k.shape[1]
+        for (k_cache, v_cache), k_layer, v_layer in zip(self._kv, k, v):
+            k_cache[slot, :n] = k_layer
+            for first in range(0, n, self.v_block):
+                rows = v_layer[first : first + self.v_block]
+                v_cache[slot, first // self.v_block, :, : len(rows)] = rows.T
+
+    @cached_property
+    def _kv(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's K [slots, n_ctx, kv channels] and transposed V [slots, blocks, kv
+        channels, positions], as numpy views."""
+        kv = QType.F32 if self.kv_f32 else QType.F16  # as the cache's tensors are made
+        return [
+            (
+                view_of(self.cache[f"{bid}.k"], kv, (self.slots, self.n_ctx, self.kv_dim)),
+                view_of(self.cache[f"{bid}.v"], kv, (self.slots, self.v_blocks, self.kv_dim, self.v_block)),
+            )
+            for bid in range(self.config.num_layers)
+        ]
 
     def release(self, slot: int, keep: int) -> None:
         """Give back the memory of slot `slot`'s cells from position `keep` on (its utterance

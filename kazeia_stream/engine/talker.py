@@ -17,6 +17,7 @@ from ..model import gguf_layout as L
 from ..model.config import TalkerConfig
 from ..model.gguf_file import GGUFFile
 from .qwen3 import Qwen3LM, file_weights, weight_names, weight_types
+from .rows_cache import RowsCache
 from .threads import SharedCores
 
 # positions per slot: 164 s of frames, and long texts are split into segments that fit
@@ -74,6 +75,7 @@ class Talker:
         )
         self.n_ctx, self.n_seq = n_ctx, slots
         self._fixed: list[np.ndarray | None] = [None] * slots  # each slot's kept rows
+        self._saved = RowsCache(f.path)
 
     def slot_for(self, fixed: np.ndarray, free: list[int]) -> int:
         """Of the `free` slots, one that keeps the rows `fixed` if any, else the first."""
@@ -115,10 +117,21 @@ class Talker:
         return out
 
     def keep(self, seq: int, fixed: np.ndarray) -> None:
-        """Compute a prompt's fixed rows into slot `seq` (when it does not hold them), ahead of
-        the utterances that start with them."""
-        for pos, rows in self.begin(TalkerState(seq=seq), fixed, len(fixed)):
-            self.lm.forward(rows, pos, slot=seq)
+        """Put a prompt's fixed rows into slot `seq` (when it does not hold them), ahead of
+        the utterances that start with them: their KV cells as saved (`RowsCache`), else
+        computed, and saved."""
+        if self.holds(seq, fixed):
+            return
+        n, lm = len(fixed), self.lm
+        saved = self._saved.load(fixed, (lm.config.num_layers, n, lm.kv_dim), lm.kv_dtype) if n else None
+        if saved is not None:
+            lm.set_cells(seq, *saved)
+            self._fixed[seq] = fixed.copy()
+            return
+        for pos, rows in self.begin(TalkerState(seq=seq), fixed, n):
+            lm.forward(rows, pos, slot=seq)
+        if n:
+            self._saved.save(fixed, *lm.cells(seq, n))
 
     def step(self, state: TalkerState, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed one input embedding [H]; returns the next (hidden, logits)."""

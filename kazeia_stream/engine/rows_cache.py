@@ -1,0 +1,103 @@
+"""The talker's KV cells of a session's fixed rows (instruction, role, voice, language), saved
+per talker file and rows (`cache_files`), and written into a slot at later starts instead of
+computed.
+
+Every process's first utterance computed those rows before its text's: 8 rows for a
+CustomVoice speaker, 0.29-0.36 s on one Zen 1 core (several rows at a time are bound by the
+integer multiplies there), the longest step between the engines' load and the first frame of
+`--pipe`. Written back from the file they take a millisecond, and they are the same numbers:
+a file is used only for the same talker file (path, size, modification time), the same rows,
+the same code (a digest of the modules and kernels that compute them, and the identity of the
+bundled ggml's files) and the same kernel variants (a CPU's variants sum in other orders). The
+64 files used last are kept (0.9 MB each for 8 rows at 0.6B).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from ..ggml_lib import ggml
+from . import cache_files, kquant_product, kv_product, native, q8_product
+
+log = logging.getLogger(__name__)
+
+KEEP = 64  # rows files kept in the cache folder, the ones used last
+
+
+class RowsCache:
+    """The saved KV cells of rows fed to the talker of file `source` from position 0."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+
+    def load(
+        self, rows: np.ndarray, shape: tuple[int, ...], dtype: np.dtype
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """K and V saved for `rows`, each of `shape` and `dtype` (else None: none saved)."""
+        where = self._where(rows)
+        if where is None:
+            return None
+        saved = cache_files.read(*where)
+        if saved is None or len(saved) != 2 or any(a.shape != shape or a.dtype != dtype for a in saved):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(where[0])  # used last: kept (`_prune`)
+        return saved[0], saved[1]
+
+    def save(self, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Save K and V of `rows`, keeping the `KEEP` rows files used last."""
+        where = self._where(rows)
+        if where is not None and cache_files.write(*where, [k, v]):
+            log.debug("%s: %d fixed rows' cells saved", where[0], len(rows))
+            _prune(where[0].parent)
+
+    def _where(self, rows: np.ndarray) -> tuple[Path, str] | None:
+        """The file and key for `rows`; None with no cache folder."""
+        folder = cache_files.folder()
+        if folder is None:
+            return None
+        fed = f"{rows.dtype} {rows.shape} {hashlib.sha256(rows.tobytes()).hexdigest()}"
+        path = folder / cache_files.name("rows", str(self.source.resolve()), fed, _kernels())
+        return path, cache_files.key(self.source, _code(), _kernels(), _bundled(), fed)
+
+
+def _kernels() -> str:
+    """The variants of our kernels the talker's products run on (None: ggml's)."""
+    chosen = (q8_product.KERNEL.chosen(), kquant_product.Q4_K.chosen(), kv_product.chosen())
+    return "q8_product={} kquant_product={} kv_product={}".format(*chosen)
+
+
+@cache
+def _code() -> tuple[Path, ...]:
+    """Our files that compute the talker's numbers: its modules, and its kernels' libraries."""
+    from . import ggml_graph, quantized_product, qwen3, talker
+
+    modules = [talker, qwen3, ggml_graph, quantized_product, q8_product, kquant_product, kv_product]
+    libraries = [native.library(name) for name in ("q8_product", "kquant_product", "kv_product")]
+    return tuple(Path(m.__file__ or "") for m in modules) + tuple(Path(lib._name) for lib in libraries if lib)
+
+
+@cache
+def _bundled() -> str:
+    """The bundled ggml's files (the norms, RoPE and attention of several rows run there): each
+    one's name, size and modification time (a digest of them would take longer than the rows)."""
+    folder = Path(ggml._name).resolve().parent
+    files = sorted(p for p in folder.iterdir() if p.name.startswith("libggml"))
+    return " ".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
+def _prune(folder: Path) -> None:
+    """Remove the rows files beyond the `KEEP` used last."""
+    try:
+        files = sorted(folder.glob("rows-*.gguf"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in files[KEEP:]:
+            old.unlink(missing_ok=True)
+    except OSError as e:
+        log.debug("%s: not pruned (%s)", folder, e)
