@@ -53,6 +53,15 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_scores():
     assert sampler(logits) == 3  # -1 * 2 = -2 for both seen codes, below -1.5
 
 
+def test_a_code_drawn_twice_is_penalized_once():
+    sampler = _talker(repetition_penalty=2.0, min_new_tokens=0)
+    logits = np.full(3072, -100.0, dtype=np.float32)
+    logits[1] = 8.0
+    assert [sampler(logits), sampler(logits)] == [1, 1]
+    logits[2] = 3.0
+    assert sampler(logits) == 1  # 8 / 2 = 4 above 3 (penalized twice, 2 would be below)
+
+
 def test_top_k_never_draws_outside_the_k_best():
     logits = np.arange(2048, dtype=np.float32) / 100
     rng = np.random.default_rng(1)
