@@ -55,7 +55,8 @@ def key(source: Path, code: Sequence[Path], *choices: str) -> str:
 
 def name(kind: str, *parts: str) -> str:
     """A cache file's name for arrays of `kind` ("decoder", "rows") told apart by `parts`."""
-    return f"{kind}-{hashlib.sha256(chr(10).join(parts).encode()).hexdigest()[:24]}.gguf"
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return f"{kind}-{digest[:24]}.gguf"
 
 
 @cache

@@ -187,7 +187,7 @@ class Qwen3LM:
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.v_block = min(V_BLOCK, n_ctx)
         self.v_blocks = -(-n_ctx // self.v_block)
-        kv = QType.F32 if kv_f32 else QType.F16
+        kv = self._kv_type = QType.F32 if kv_f32 else QType.F16
         self.kv_dtype = np.dtype(np.float32 if kv_f32 else np.float16)
         specs: dict[str, tuple[QType, tuple[int, ...]]] = {}
         for bid in range(cfg.num_layers):
@@ -327,7 +327,7 @@ class Qwen3LM:
     def _kv(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each layer's K [slots, n_ctx, kv channels] and transposed V [slots, blocks, kv
         channels, positions], as numpy views."""
-        kv = QType.F32 if self.kv_f32 else QType.F16  # as the cache's tensors are made
+        kv = self._kv_type
         return [
             (
                 view_of(self.cache[f"{bid}.k"], kv, (self.slots, self.n_ctx, self.kv_dim)),

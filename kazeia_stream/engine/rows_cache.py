@@ -69,7 +69,8 @@ class RowsCache:
 
 
 def _kernels() -> str:
-    """The variants of our kernels the talker's products run on (None: ggml's)."""
+    """The variants of our kernels the talker's products run on (None: ggml's; one choice for
+    the three K-quant types)."""
     chosen = (q8_product.KERNEL.chosen(), kquant_product.Q4_K.chosen(), kv_product.chosen())
     return "q8_product={} kquant_product={} kv_product={}".format(*chosen)
 
