@@ -125,3 +125,18 @@ def test_no_cache_where_it_is_turned_off_or_cannot_be_written(mmproj, tmp_path, 
     decoder = CodecDecoder(GGUFFile(mmproj), 1)
     assert _samples(decoder).size and not _saved(tmp_path)
     assert (tmp_path / "a file").read_text() == "not a folder"
+
+
+def test_only_the_files_used_last_are_kept(mmproj, tmp_path, monkeypatch):
+    from kazeia_stream.engine import weight_cache
+
+    monkeypatch.setattr(weight_cache, "KEEP", 2)
+    other, third = (shutil.copy(mmproj, tmp_path / name) for name in ("other.gguf", "third.gguf"))
+    CodecDecoder(GGUFFile(mmproj), 1)
+    (first,) = _saved(tmp_path)
+    CodecDecoder(GGUFFile(other), 1)
+    os.utime(first, ns=(0, 0))  # used long ago
+    CodecDecoder(GGUFFile(mmproj), 1)  # read: used now
+    later = set(_saved(tmp_path)) - {first}
+    CodecDecoder(GGUFFile(third), 1)  # a third file: the one used least lately goes
+    assert first in _saved(tmp_path) and not later & set(_saved(tmp_path)) and len(_saved(tmp_path)) == 2

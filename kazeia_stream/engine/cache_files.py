@@ -6,11 +6,13 @@ A file is a GGUF file (gguf-py's writer, our `GGUFFile` reader) in $KAZEIA_CACHE
 $XDG_CACHE_HOME/kazeia-stream, else ~/.cache/kazeia-stream (`KAZEIA_CACHE=0`: none). It holds a
 key that says what the arrays were made from and by (`key`): read under another key it is
 passed over, and made and written anew, whole (a temporary file renamed over it). A file that
-cannot be read or written is passed over, logged at debug level.
+cannot be read or written is passed over, logged at debug level. Of each kind, the files used
+last are kept (`prune`, `used`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -108,3 +110,19 @@ def write(path: Path, key: str, arrays: Sequence[np.ndarray]) -> bool:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
         return False
+
+
+def used(path: Path) -> None:
+    """Mark the file `path` as used now (`prune` keeps the files used last)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def prune(folder: Path, kind: str, keep: int) -> None:
+    """Remove the files of `kind` in `folder` beyond the `keep` used last."""
+    try:
+        files = sorted(folder.glob(f"{kind}-*.gguf"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in files[keep:]:
+            old.unlink(missing_ok=True)
+    except OSError as e:
+        log.debug("%s: not pruned (%s)", folder, e)

@@ -14,10 +14,8 @@ bundled ggml's files) and the same kernel variants (a CPU's variants sum in othe
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -47,8 +45,7 @@ class RowsCache:
         saved = cache_files.read(*where)
         if saved is None or len(saved) != 2 or any(a.shape != shape or a.dtype != dtype for a in saved):
             return None
-        with contextlib.suppress(OSError):
-            os.utime(where[0])  # used last: kept (`_prune`)
+        cache_files.used(where[0])
         return saved[0], saved[1]
 
     def save(self, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
@@ -56,7 +53,7 @@ class RowsCache:
         where = self._where(rows)
         if where is not None and cache_files.write(*where, [k, v]):
             log.debug("%s: %d fixed rows' cells saved", where[0], len(rows))
-            _prune(where[0].parent)
+            cache_files.prune(where[0].parent, "rows", KEEP)
 
     def _where(self, rows: np.ndarray) -> tuple[Path, str] | None:
         """The file and key for `rows`; None with no cache folder."""
@@ -92,13 +89,3 @@ def _bundled() -> str:
     folder = Path(ggml._name).resolve().parent
     files = sorted(p for p in folder.iterdir() if p.name.startswith("libggml"))
     return " ".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
-
-
-def _prune(folder: Path) -> None:
-    """Remove the rows files beyond the `KEEP` used last."""
-    try:
-        files = sorted(folder.glob("rows-*.gguf"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-        for old in files[KEEP:]:
-            old.unlink(missing_ok=True)
-    except OSError as e:
-        log.debug("%s: not pruned (%s)", folder, e)

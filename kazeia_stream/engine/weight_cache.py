@@ -8,7 +8,8 @@ the page cache) the decoder's load takes 0.07-0.17 s. Saving them costs the firs
 s. A file per mmproj file and layout (`cache_files`), used only while the mmproj file keeps its
 size and modification time, for the code that wrote it (a digest of the modules that make the
 arrays) and the arrays the load asks for, in order, of the same shapes and types (`Stale`
-otherwise: the load computes them and writes the file anew).
+otherwise: the load computes them and writes the file anew). The `KEEP` files used last are
+kept (0.29 GB each for the 0.6B with a float16 decoder).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 Make = Callable[[], np.ndarray]  # an array's computation
 
+KEEP = 4  # decoder files kept in the cache folder, the ones used last
+
 
 class Stale(Exception):
     """The saved arrays are not the ones the load asks for."""
@@ -40,6 +43,8 @@ class WeightCache:
         computed and nothing is kept or saved."""
         self.path, self.key = path, key
         self._saved = cache_files.read(path, key) if path is not None else None
+        if self._saved is not None and path is not None:
+            cache_files.used(path)
         self._next = 0
         self._made: list[np.ndarray] = []
 
@@ -93,6 +98,7 @@ class WeightCache:
             return
         if self.path is not None and cache_files.write(self.path, self.key, self._made):
             log.debug("%s: the decoder's weights saved (%d arrays)", self.path, len(self._made))
+            cache_files.prune(self.path.parent, "decoder", KEEP)
         self._made = []
 
 
