@@ -74,7 +74,9 @@ struct operands {
 PANEL512(panel512, float, F32_512)
 PANEL512(panel512h, uint16_t, F16_512)
 
-/* AVX2: one panel (two registers) x up to COLP256 columns (12 of the 16 registers). */
+/* AVX2: one panel (two registers) x up to COLP256 columns (12 of the 16 registers); the panel
+   prefetched 128 steps ahead: the float16 products of a frame's 4 columns read their 60 MB at
+   6.6-6.8 GB/s so, 5.8-5.9 without (Zen 1, one core). */
 #define PANELS256 1
 #define COLP256 6
 
@@ -86,6 +88,7 @@ PANEL512(panel512h, uint16_t, F16_512)
         for (int h = 0; h < 2; h++)                                                                \
             for (int b = 0; b < rn; b++) acc[h][b] = _mm256_setzero_ps();                          \
         for (int64_t l = 0; l < k; l++) {                                                          \
+            _mm_prefetch((const char *)(w + (l + 128) * PANEL), _MM_HINT_T0);                      \
             __m256 lo = load(w + l * PANEL), hi = load(w + l * PANEL + 8);                         \
             for (int b = 0; b < rn; b++) {                                                         \
                 __m256 xb = _mm256_set1_ps(x[b * x_row + l]);                                      \
