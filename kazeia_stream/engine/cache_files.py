@@ -20,11 +20,13 @@ import tempfile
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
 from ..errors import ModelFileError
 from ..model.gguf_file import GGUFFile
+from . import native
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,13 @@ def key(source: Path, code: Sequence[Path], *choices: str) -> str:
     stat = source.stat()
     parts = [str(source.resolve()), str(stat.st_size), str(stat.st_mtime_ns), _digest(tuple(code))]
     return "\n".join([*parts, *choices])
+
+
+def code(modules: Sequence[ModuleType], libraries: Sequence[str]) -> tuple[Path, ...]:
+    """The files of code that makes arrays (for `key`): Python `modules`, and our C
+    `libraries` where they were built."""
+    built = [native.library(name) for name in libraries]
+    return tuple(Path(m.__file__ or "") for m in modules) + tuple(Path(lib._name) for lib in built if lib)
 
 
 def name(kind: str, *parts: str) -> str:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -61,7 +62,7 @@ from threadpoolctl import ThreadpoolController
 from ..ggml_lib import widen
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from . import f32_product, heap, native, snake, winograd
+from . import cache_files, f32_product, heap, snake, winograd
 from .ggml_graph import Allocator, ArrayTensor, Graph, prefault, strides, view_of
 from .threads import DECODER_GGML_THREADS, DECODER_THREADS, available_cores
 from .weight_cache import UNSAVED, Stale, WeightCache
@@ -1203,11 +1204,10 @@ def _float32(w: np.ndarray, columns: int = 16) -> np.ndarray:
     return out
 
 
-def _code() -> list[Path]:
+@cache
+def _code() -> tuple[Path, ...]:
     """The files of the code that makes the weights' layouts (`WeightCache`'s key)."""
-    kernel = native.library("f32_product")
-    modules = [Path(__file__), Path(winograd.__file__), Path(f32_product.__file__)]
-    return modules + ([Path(kernel._name)] if kernel is not None else [])
+    return cache_files.code([sys.modules[__name__], winograd, f32_product], ["f32_product"])
 
 
 def _pair(f: GGUFFile, prefix: str) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..ggml_lib import ggml
-from . import cache_files, kquant_product, kv_product, native, q8_product
+from . import cache_files, kquant_product, kv_product, q8_product
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ class RowsCache:
         if folder is None:
             return None
         fed = f"{rows.dtype} {rows.shape} {hashlib.sha256(rows.tobytes()).hexdigest()}"
-        path = folder / cache_files.name("rows", str(self.source.resolve()), fed, _kernels())
-        return path, cache_files.key(self.source, _code(), _kernels(), _bundled(), fed)
+        kernels = _kernels()
+        path = folder / cache_files.name("rows", str(self.source.resolve()), fed, kernels)
+        return path, cache_files.key(self.source, _code(), kernels, _bundled(), fed)
 
 
 def _kernels() -> str:
@@ -78,8 +79,7 @@ def _code() -> tuple[Path, ...]:
     from . import ggml_graph, quantized_product, qwen3, talker
 
     modules = [talker, qwen3, ggml_graph, quantized_product, q8_product, kquant_product, kv_product]
-    libraries = [native.library(name) for name in ("q8_product", "kquant_product", "kv_product")]
-    return tuple(Path(m.__file__ or "") for m in modules) + tuple(Path(lib._name) for lib in libraries if lib)
+    return cache_files.code(modules, ["q8_product", "kquant_product", "kv_product"])
 
 
 @cache
