@@ -1,6 +1,7 @@
 """A session's fixed rows saved at a first start and written into the talker's slot at later
-ones (`engine/rows_cache.py`): the same cells and the same next steps, nothing computed again,
-and a saved file that no longer fits passed over."""
+ones (`engine/rows_cache.py`), or copied from the slot of another stream that keeps them: the
+same cells and the same next steps, nothing computed again, and a saved file that no longer
+fits passed over."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def _fixed(model, voice: str = "ryan") -> np.ndarray:
     return prompt.prefill[: prompt.n_fixed]
 
 
-def _steps(talker: Talker, fixed: np.ndarray, model) -> list[np.ndarray]:
-    """The logits of a few steps after the fixed rows kept in slot 0."""
-    state = TalkerState(pos=len(fixed))
+def _steps(talker: Talker, fixed: np.ndarray, model, seq: int = 0) -> list[np.ndarray]:
+    """The logits of a few steps after the fixed rows kept in slot `seq`."""
+    state = TalkerState(pos=len(fixed), seq=seq)
     return [talker.step(state, model.pad_embedding)[1] for _ in range(3)]
 
 
@@ -67,6 +68,31 @@ def test_a_later_talker_writes_the_saved_cells_and_steps_the_same(model, tmp_pat
     assert all(
         np.array_equal(a, b) for a, b in zip(_steps(computing, fixed, model), _steps(later, fixed, model))
     )
+
+
+def test_a_second_slot_takes_the_cells_another_keeps_or_saved_ones(model, tmp_path, monkeypatch):
+    """An utterance that starts in a slot without its fixed rows (another stream holds the
+    session's slot) computes only the rows after them."""
+    monkeypatch.setenv(cache_files.CACHE_ENV, "0")  # no saved cells: from the other slot
+    prompt = model.prompt("Saved rows.", voice="ryan")
+    fixed, n = prompt.prefill[: prompt.n_fixed], prompt.n_fixed
+    two = Talker(model.talker_file, model.config.talker, 1, slots=2, n_ctx=64)
+    two.keep(0, fixed)
+    pieces = two.begin(TalkerState(seq=1), prompt.prefill, n)
+    assert [pos for pos, _ in pieces] == [n] and two.holds(1, fixed)
+    for a, b in zip(two.lm.cells(0, n), two.lm.cells(1, n)):
+        assert np.array_equal(a, b)
+    computing = Talker(model.talker_file, model.config.talker, 1, slots=2, n_ctx=64)
+    assert [pos for pos, _ in computing.begin(TalkerState(seq=1), fixed, n)] == [0]
+    computing.lm.forward(fixed, 0, slot=1)
+    assert all(
+        np.array_equal(a, b) for a, b in zip(_steps(two, fixed, model, 1), _steps(computing, fixed, model, 1))
+    )
+    monkeypatch.setenv(cache_files.CACHE_ENV, str(tmp_path / "cache"))  # saved by a first keep
+    _talker(model)[0].keep(0, fixed)
+    later = Talker(model.talker_file, model.config.talker, 1, slots=2, n_ctx=64)
+    assert [pos for pos, _ in later.begin(TalkerState(seq=1), prompt.prefill, n)] == [n]
+    assert all(np.array_equal(a, b) for a, b in zip(later.lm.cells(1, n), two.lm.cells(1, n)))
 
 
 def test_cells_across_v_blocks_are_written_back_in_place(model, monkeypatch):

@@ -1,6 +1,6 @@
 """The talker's KV cells of a session's fixed rows (instruction, role, voice, language), saved
 per talker file and rows (`cache_files`), and written into a slot at later starts instead of
-computed.
+computed (`Talker.keep`, and an utterance's start in a slot without them, `Talker.begin`).
 
 Every process's first utterance computed those rows before its text's: 8 rows for a
 CustomVoice speaker, 0.29-0.36 s on one Zen 1 core (several rows at a time are bound by the

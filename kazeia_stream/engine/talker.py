@@ -45,7 +45,8 @@ class Talker:
     """Prefill, then one step per frame, for up to `slots` utterances at once, each in its own
     slot of the KV cache. A slot keeps the KV cache of the leading rows that every utterance of
     a session shares (instruction, role, voice) after its utterance ends, so that the next
-    utterance with the same rows in that slot only computes the rows after them."""
+    utterance with the same rows only computes the rows after them: in that slot, or in another
+    that takes a copy of the cells (several streams of one voice at once)."""
 
     def __init__(
         self,
@@ -90,20 +91,42 @@ class Talker:
         """Start an utterance in slot `state.seq`: the pieces (first position, rows) its prefill
         still has to compute, in order; `prefill` or `FrameLoop` feeds them.
 
-        The first `n_fixed` rows (`Prompt.n_fixed`) are a piece of their own and stay in the
-        slot's cache; when the slot already holds them, only the rows after them are left. Either
-        way the arithmetic is the same, so results do not depend on what ran before."""
+        The first `n_fixed` rows (`Prompt.n_fixed`) stay in the slot's cache. When the slot
+        holds them already, or their cells are known (`_known`) and written into it, only the
+        rows after them are left; else they are a piece of their own. Either way the arithmetic
+        is the same, so results do not depend on what ran before."""
         fixed = embeds[:n_fixed]
-        pieces = []
-        if not self.holds(state.seq, fixed):
-            self._fixed[state.seq] = None
-            if n_fixed:
-                pieces.append((0, fixed))
-                self._fixed[state.seq] = fixed.copy()
+        pieces = [] if self._put(state.seq, fixed) else [(0, fixed)]
         if len(embeds) > n_fixed:
             pieces.append((n_fixed, embeds[n_fixed:]))
         state.pos = len(embeds)
         return pieces
+
+    def _put(self, seq: int, fixed: np.ndarray) -> bool:
+        """Make slot `seq` keep the rows `fixed`: whether their cells are in it now (kept
+        already, or written), or are still to be computed from position 0."""
+        if self.holds(seq, fixed):
+            return True
+        self._fixed[seq] = None  # the slot's cells are overwritten from position 0
+        if not len(fixed):
+            return True
+        cells = self._known(fixed)
+        self._fixed[seq] = fixed.copy()
+        if cells is None:
+            return False
+        self.lm.set_cells(seq, *cells)
+        return True
+
+    def _known(self, fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The KV cells of rows `fixed` without computing them: those of another slot that
+        keeps them (a session's second stream), else saved ones (`RowsCache`); else None. A
+        slot's kept cells are the same numbers wherever they were computed (each row is
+        summed in one order whatever rows run beside it)."""
+        n, lm = len(fixed), self.lm
+        other = next((seq for seq in range(self.n_seq) if self.holds(seq, fixed)), None)
+        if other is not None:
+            return lm.cells(other, n)
+        return self._saved.load(fixed, (lm.config.num_layers, n, lm.kv_dim), lm.kv_dtype)
 
     def prefill(
         self, state: TalkerState, embeds: np.ndarray, n_fixed: int = 0
@@ -118,20 +141,11 @@ class Talker:
 
     def keep(self, seq: int, fixed: np.ndarray) -> None:
         """Put a prompt's fixed rows into slot `seq` (when it does not hold them), ahead of
-        the utterances that start with them: their KV cells as saved (`RowsCache`), else
+        the utterances that start with them: their KV cells where known (`_known`), else
         computed, and saved."""
-        if self.holds(seq, fixed):
-            return
-        n, lm = len(fixed), self.lm
-        saved = self._saved.load(fixed, (lm.config.num_layers, n, lm.kv_dim), lm.kv_dtype) if n else None
-        if saved is not None:
-            lm.set_cells(seq, *saved)
-            self._fixed[seq] = fixed.copy()
-            return
-        for pos, rows in self.begin(TalkerState(seq=seq), fixed, n):
-            lm.forward(rows, pos, slot=seq)
-        if n:
-            self._saved.save(fixed, *lm.cells(seq, n))
+        for pos, rows in self.begin(TalkerState(seq=seq), fixed, len(fixed)):
+            self.lm.forward(rows, pos, slot=seq)
+            self._saved.save(fixed, *self.lm.cells(seq, len(fixed)))
 
     def step(self, state: TalkerState, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed one input embedding [H]; returns the next (hidden, logits)."""
