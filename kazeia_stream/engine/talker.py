@@ -143,8 +143,10 @@ class Talker:
         """Put a prompt's fixed rows into slot `seq` (when it does not hold them), ahead of
         the utterances that start with them: their KV cells where known (`_known`), else
         computed, and saved."""
-        for pos, rows in self.begin(TalkerState(seq=seq), fixed, len(fixed)):
+        computed = self.begin(TalkerState(seq=seq), fixed, len(fixed))
+        for pos, rows in computed:
             self.lm.forward(rows, pos, slot=seq)
+        if computed:
             self._saved.save(fixed, *self.lm.cells(seq, len(fixed)))
 
     def step(self, state: TalkerState, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
