@@ -52,6 +52,7 @@ def test_teacher_forced_talker_matches_the_official_logits(kind, tiny_runtime):
 
 
 def test_the_fixed_rows_are_computed_once_and_results_do_not_depend_on_history(tiny_runtime, monkeypatch):
+    monkeypatch.setenv(cache_files.CACHE_ENV, "0")  # computed, not read from a file (test_rows_cache)
     runtime = tiny_runtime("custom_voice")
     model, talker = runtime.model, runtime.talker
     rows_run = rows_counted(talker, monkeypatch)
