@@ -65,6 +65,14 @@ def test_arguments_beyond_the_reduction_take_libm_s_sin(variant):
         np.testing.assert_allclose(run(x, a, beta, variant), formula(x, a, beta), rtol=3e-7, atol=3e-7)
 
 
+def test_one_argument_beyond_the_reduction_within_a_long_row(variant):
+    """Registers taken several at a time up to it, and one at a time from there (AVX2)."""
+    x = (np.random.default_rng(3).standard_normal((2, 200)) * 3).astype(np.float32)
+    x[0, 77] = 5e4
+    alpha, beta = weights(2)
+    np.testing.assert_allclose(run(x, alpha, beta, variant), formula(x, alpha, beta), rtol=3e-7, atol=3e-7)
+
+
 def test_nan_and_infinity_propagate_as_in_the_formula(variant):
     x = np.array([[np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30]], np.float32)
     alpha, beta = np.ones(1, np.float32), np.ones(1, np.float32)
