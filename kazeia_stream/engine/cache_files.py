@@ -7,7 +7,7 @@ $XDG_CACHE_HOME/kazeia-stream, else ~/.cache/kazeia-stream (`KAZEIA_CACHE=0`: no
 key that says what the arrays were made from and by (`key`): read under another key it is
 passed over, and made and written anew, whole (a temporary file renamed over it). A file that
 cannot be read or written is passed over, logged at debug level. Of each kind, the files used
-last are kept (`prune`, `used`).
+last are kept (`prune`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def _digest(files: tuple[Path, ...]) -> str:
 
 
 def read(path: Path, key: str) -> list[np.ndarray] | None:
-    """The arrays saved in `path` for `key`, mapped read-only; None where there are none."""
+    """The arrays saved in `path` for `key`, mapped read-only, the file marked as used now
+    (`prune` keeps the files used last); None where there are none."""
     if not path.is_file():
         return None
     try:
@@ -88,10 +89,13 @@ def read(path: Path, key: str) -> list[np.ndarray] | None:
         if f.get(_KEY) != key:
             log.debug("%s: made from other files or code, to be replaced", path)
             return None
-        return [f.view(str(i)) for i in range(len(f.tensor_names))]
+        arrays = [f.view(str(i)) for i in range(len(f.tensor_names))]
     except (ModelFileError, OSError, KeyError) as e:
         log.debug("%s: passed over (%s)", path, e)
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)
+    return arrays
 
 
 def write(path: Path, key: str, arrays: Sequence[np.ndarray]) -> bool:
@@ -119,12 +123,6 @@ def write(path: Path, key: str, arrays: Sequence[np.ndarray]) -> bool:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
         return False
-
-
-def used(path: Path) -> None:
-    """Mark the file `path` as used now (`prune` keeps the files used last)."""
-    with contextlib.suppress(OSError):
-        os.utime(path)
 
 
 def prune(folder: Path, kind: str, keep: int) -> None:

@@ -188,7 +188,6 @@ class Qwen3LM:
         self.v_block = min(V_BLOCK, n_ctx)
         self.v_blocks = -(-n_ctx // self.v_block)
         kv = self._kv_type = QType.F32 if kv_f32 else QType.F16
-        self.kv_dtype = np.dtype(np.float32 if kv_f32 else np.float16)
         specs: dict[str, tuple[QType, tuple[int, ...]]] = {}
         for bid in range(cfg.num_layers):
             specs[f"{bid}.k"] = (kv, (slots, n_ctx, self.kv_dim))
@@ -322,6 +321,11 @@ class Qwen3LM:
             for first in range(0, n, self.v_block):
                 rows = v_layer[first : first + self.v_block]
                 v_cache[slot, first // self.v_block, :, : len(rows)] = rows.T
+
+    @property
+    def kv_dtype(self) -> np.dtype:
+        """The KV cache's numpy type (`cells` gives it)."""
+        return self._kv[0][0].dtype
 
     @cached_property
     def _kv(self) -> list[tuple[np.ndarray, np.ndarray]]:

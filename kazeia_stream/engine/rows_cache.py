@@ -45,7 +45,6 @@ class RowsCache:
         saved = cache_files.read(*where)
         if saved is None or len(saved) != 2 or any(a.shape != shape or a.dtype != dtype for a in saved):
             return None
-        cache_files.used(where[0])
         return saved[0], saved[1]
 
     def save(self, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:

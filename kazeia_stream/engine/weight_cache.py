@@ -43,8 +43,6 @@ class WeightCache:
         computed and nothing is kept or saved."""
         self.path, self.key = path, key
         self._saved = cache_files.read(path, key) if path is not None else None
-        if self._saved is not None and path is not None:
-            cache_files.used(path)
         self._next = 0
         self._made: list[np.ndarray] = []
 
