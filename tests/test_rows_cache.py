@@ -26,9 +26,9 @@ def model(tiny_gguf, tmp_path, monkeypatch):
     return kazeia_stream.load_model(tmp_path / talker.name)
 
 
-def _talker(model, n_ctx: int = 64) -> tuple[Talker, list[int]]:
+def _talker(model, n_ctx: int = 64, slots: int = 1) -> tuple[Talker, list[int]]:
     """A talker of its own on the model's file, and the row count of each forward call it makes."""
-    talker = Talker(model.talker_file, model.config.talker, 1, n_ctx=n_ctx)
+    talker = Talker(model.talker_file, model.config.talker, 1, slots=slots, n_ctx=n_ctx)
     rows: list[int] = []
     forward = talker.lm.forward
     talker.lm.forward = lambda embeds, *a, **kw: rows.append(len(embeds)) or forward(embeds, *a, **kw)
@@ -76,13 +76,13 @@ def test_a_second_slot_takes_the_cells_another_keeps_or_saved_ones(model, tmp_pa
     monkeypatch.setenv(cache_files.CACHE_ENV, "0")  # no saved cells: from the other slot
     prompt = model.prompt("Saved rows.", voice="ryan")
     fixed, n = prompt.prefill[: prompt.n_fixed], prompt.n_fixed
-    two = Talker(model.talker_file, model.config.talker, 1, slots=2, n_ctx=64)
+    two = _talker(model, slots=2)[0]
     two.keep(0, fixed)
     pieces = two.begin(TalkerState(seq=1), prompt.prefill, n)
     assert [pos for pos, _ in pieces] == [n] and two.holds(1, fixed)
     for a, b in zip(two.lm.cells(0, n), two.lm.cells(1, n)):
         assert np.array_equal(a, b)
-    computing = Talker(model.talker_file, model.config.talker, 1, slots=2, n_ctx=64)
+    computing = _talker(model, slots=2)[0]
     assert [pos for pos, _ in computing.begin(TalkerState(seq=1), fixed, n)] == [0]
     computing.lm.forward(fixed, 0, slot=1)
     assert all(
@@ -90,7 +90,7 @@ def test_a_second_slot_takes_the_cells_another_keeps_or_saved_ones(model, tmp_pa
     )
     monkeypatch.setenv(cache_files.CACHE_ENV, str(tmp_path / "cache"))  # saved by a first keep
     _talker(model)[0].keep(0, fixed)
-    later = Talker(model.talker_file, model.config.talker, 1, slots=2, n_ctx=64)
+    later = _talker(model, slots=2)[0]
     assert [pos for pos, _ in later.begin(TalkerState(seq=1), prompt.prefill, n)] == [n]
     assert all(np.array_equal(a, b) for a, b in zip(later.lm.cells(1, n), two.lm.cells(1, n)))
 
