@@ -229,8 +229,9 @@ class Runtime:
         text_streaming: bool = False,
         options: GenerationOptions = GenerationOptions(),
     ) -> Iterator[np.ndarray]:
-        """The PCM of each frame, decoded as soon as it is generated. A long text is spoken as
-        segments (`model.segments`), each its own utterance, back to back."""
+        """The PCM of each frame, decoded as soon as it is generated, while the next frame is
+        generated (as a session's actors overlap them). A long text is spoken as segments
+        (`model.segments`), each its own utterance, back to back."""
         probe = self.probe(voice, language, instruct)
         segments = split_text(text, self.max_segment_bytes(probe))
         if not segments:
@@ -242,14 +243,17 @@ class Runtime:
                     segment, voice=voice, language=language, instruct=instruct, text_streaming=text_streaming
                 )
                 state = self.generator.start(prompt, self.model.text_feed(prompt), options, rng)
+                asked = self.generator.next_frame_later(state)
                 try:
                     decoder = None  # made once a frame exists: the decoder may still be loading
-                    while (codes := self.generator.next_frame_sync(state)) is not None:
+                    while (codes := asked.wait()) is not None:
+                        asked = self.generator.next_frame_later(state)  # generated meanwhile
                         first = decoder is None
                         if decoder is None:
                             decoder = self.decoder_state(voice)
                         yield self.decoder.decode_sync(decoder, codes[None], first)
                 finally:
+                    self.generator.forget(asked)
                     self.generator.finish(state)
 
     def synthesize(

@@ -151,9 +151,13 @@ class _Passes(Generic[Item, T]):
             raise
 
     def _ask_sync(self, item: Item) -> T:
+        return self._ask_later(item).wait()
+
+    def _ask_later(self, item: Item) -> _Result[T]:
+        """Ask from a thread without waiting: `wait()` for the result later, or withdraw it."""
         result: _Result[T] = _Result(in_trio=False)
         self._submit(item, result)
-        return result.wait()
+        return result
 
     def call(self, fn: Callable[[], R]) -> R:
         """Run `fn` in the engines' thread between passes, and wait for it (from a thread)."""
@@ -327,6 +331,15 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
 
     def next_frame_sync(self, state: FrameState) -> np.ndarray | None:
         return self._ask_sync(state)
+
+    def next_frame_later(self, state: FrameState) -> _Result[np.ndarray | None]:
+        """Ask for the stream's next frame from a thread without waiting for it, so that it is
+        generated while the caller decodes the last one: `wait()` for it, or `forget` it."""
+        return self._ask_later(state)
+
+    def forget(self, asked: _Result[np.ndarray | None]) -> None:
+        """Withdraw a frame asked for and no longer wanted (a pass that took it ends it)."""
+        self._withdraw(asked)
 
     def _take(self) -> _Frames:
         """Streams that have begun, whose pass takes the others in at its first call boundary

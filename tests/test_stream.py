@@ -12,7 +12,7 @@ import trio
 import kazeia_stream
 from kazeia_stream import UsageError
 from kazeia_stream.engine.codec import CodecDecoder
-from kazeia_stream.engine.frames import FrameLoop
+from kazeia_stream.engine.frames import FrameLoop, GenerationOptions
 from kazeia_stream.engine.ggml_graph import Graph
 from kazeia_stream.session import AUDIO_BUFFER, FRAME_BUFFER
 from kazeia_stream.stages.decoder import MAX_PUSH
@@ -189,6 +189,65 @@ def test_a_decode_holds_its_core_from_the_moment_it_is_asked_for(runtime, monkey
         blocker.join(10)
         decode.join(10)
     assert cores.threads(wanted) == wanted and cores.asked == 0 and cores.lent == 0
+
+
+def test_offline_audio_decodes_a_frame_while_the_next_is_generated(runtime, offline, monkeypatch):
+    """`Runtime.audio` (and so `synthesize`) overlaps the engines as a session's actors do: a
+    frame's decode runs while the next frame is generated, with the same samples."""
+    spans: dict[str, list[tuple[float, float]]] = {"generate": [], "decode": []}
+
+    def timed(kind, method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spans[kind].append((start, time.perf_counter()))
+
+        return run
+
+    monkeypatch.setattr(runtime.frames, "next_frames", timed("generate", runtime.frames.next_frames))
+    monkeypatch.setattr(runtime.codec, "push_many", timed("decode", runtime.codec.push_many))
+    pcm = np.concatenate(
+        list(runtime.audio(TEXT, voice="ryan", text_streaming=True, options=GenerationOptions(seed=5)))
+    )
+    assert same_audio(pcm, offline)
+    assert len(spans["decode"]) == len(offline) // 1920
+    overlapping = [d for d in spans["decode"] if any(g[0] < d[1] and d[0] < g[1] for g in spans["generate"])]
+    assert len(overlapping) >= len(spans["decode"]) // 2
+
+
+def test_offline_audio_left_early_frees_its_stream(runtime, offline):
+    """An `audio` iteration its caller leaves after a frame gives its talker slot back: the
+    runtime's next utterance is the same as on a fresh one."""
+    free = sorted(runtime.frames.free)
+    frames = runtime.audio(TEXT, voice="ryan", text_streaming=True, options=GenerationOptions(seed=5))
+    assert len(next(frames)) == 1920
+    assert len(runtime.frames.free) == len(free) - 1
+    frames.close()
+    assert sorted(runtime.frames.free) == free
+    assert same_audio(runtime.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)[0], offline)
+
+
+def test_a_frame_asked_ahead_and_forgotten_leaves_the_queue(runtime):
+    """`Generator.forget` withdraws a frame asked for ahead that nobody will wait for (an
+    offline iteration its caller left): no pass takes it."""
+    busy, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=runtime.generator.call, args=(lambda: busy.set() or release.wait(),))
+    blocker.start()
+    assert busy.wait(10)  # the generator's thread is inside a call: a frame asked now waits
+    prompt = runtime.model.prompt(TEXT, voice="ryan")
+    options, rng = GenerationOptions(seed=5), np.random.default_rng(5)
+    state = runtime.generator.start(prompt, runtime.model.text_feed(prompt), options, rng)
+    try:
+        asked = runtime.generator.next_frame_later(state)
+        assert [s for s, _ in runtime.generator._queue] == [state]
+        runtime.generator.forget(asked)
+        assert not runtime.generator._queue
+    finally:
+        release.set()
+        blocker.join(10)
+        runtime.generator.finish(state)
 
 
 async def test_errors_surface_in_the_iteration_and_the_session_survives(runtime, offline):
