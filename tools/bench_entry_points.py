@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Time the command line from process start, as a user runs it: `--pipe` (first PCM byte and
 the whole run) and `-o FILE` (the whole run), for the same text and seed, `--repeat` times
-each, interleaved. With `--busy`, the same again beside one other process spinning on one core.
-Prints one JSON line: the medians (s), each one's audio length, `--pipe`'s real-time factor
-after its first byte (to compare with `bench --pipeline`'s RTF, which counts from the text),
-`-o`'s from process start, and with --busy each time's ratio to the quiet run.
+each, interleaved; and the library's `Runtime.synthesize` against a session's utterance of the
+same text and seed, in one process, after a warm-up (`api`). With `--busy`, the same again
+beside one other process spinning on one core. Prints one JSON line: the medians (s), each
+one's audio length, `--pipe`'s real-time factor after its first byte (to compare with `bench
+--pipeline`'s RTF, which counts from the text), `-o`'s from process start, `synthesize`'s wall
+time over the session's, and with --busy each time's ratio to the quiet run.
 
     python tools/bench_entry_points.py --model M --repeat 3 --busy
 """
@@ -64,7 +66,39 @@ def output(model: str, seed: int, path: Path) -> tuple[float, float, int]:
     return wall, info.duration, info.samplerate
 
 
+def api(model: str, repeat: int, seed: int) -> tuple[list[float], list[float]]:
+    """Wall times (s) of `Runtime.synthesize` and of a session's utterance, the same text and
+    seed (the same audio), `repeat` times each, interleaved, after one of each to warm up."""
+    import trio
+
+    import kazeia_stream
+
+    runtime = kazeia_stream.Runtime(kazeia_stream.load_model(model))
+
+    def synthesize() -> float:
+        start = time.perf_counter()
+        runtime.synthesize(TEXT, seed=seed, text_streaming=True)
+        return time.perf_counter() - start
+
+    async def session() -> float:
+        async with runtime.open(seed=seed) as tts:
+            start = time.perf_counter()
+            async for _chunk in tts.speak(TEXT):
+                pass
+            return time.perf_counter() - start
+
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeat + 1):
+        synthesized, spoken = synthesize(), trio.run(session)
+        if i:  # the first of each warms up
+            times[0].append(synthesized)
+            times[1].append(spoken)
+    return times
+
+
 def measure(model: str, repeat: int, seed: int) -> dict[str, float]:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # its own process, its memory gone after
+        synthesized, spoken = pool.apply(api, (model, repeat, seed))
     firsts, pipes, piped_s, outs, out_s = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeat):
@@ -86,6 +120,9 @@ def measure(model: str, repeat: int, seed: int) -> dict[str, float]:
         "output_audio_s": round(statistics.median(out_s), 3),
         "pipe_rtf_after_first_byte": round(statistics.median(pipe_rtfs), 3),
         "output_rtf": round(statistics.median(w / a for w, a in zip(outs, out_s)), 3),
+        "synthesize_wall_s": round(statistics.median(synthesized), 3),
+        "session_wall_s": round(statistics.median(spoken), 3),
+        "synthesize_over_session": round(statistics.median(s / t for s, t in zip(synthesized, spoken)), 3),
     }
 
 
@@ -107,7 +144,7 @@ def main() -> None:
         quiet = result["quiet"]
         assert isinstance(quiet, dict)
         result["busy"] = busy
-        keys = ("pipe_first_byte_s", "pipe_wall_s", "output_wall_s")
+        keys = ("pipe_first_byte_s", "pipe_wall_s", "output_wall_s", "synthesize_wall_s")
         result["busy_over_quiet"] = {key: round(busy[key] / quiet[key], 2) for key in keys}
     print(json.dumps(result))
 
