@@ -185,6 +185,37 @@ def slow_decoder(monkeypatch: pytest.MonkeyPatch):
     return slow
 
 
+@pytest.fixture
+def engine_spans(monkeypatch: pytest.MonkeyPatch):
+    """`engine_spans(runtime)`: from then on, (start, end) of each of the runtime's engine calls,
+    per engine: "decoder" (`CodecDecoder.push_many`) and "generator" (`FrameLoop.next_frames`;
+    a pass calls it again inside for streams that join it: only the outer call counts)."""
+    import time
+
+    def record(runtime) -> dict[str, list[tuple[float, float]]]:
+        spans: dict[str, list[tuple[float, float]]] = {"decoder": [], "generator": []}
+        depth = dict.fromkeys(spans, 0)
+
+        def timed(name, fn):
+            def run(*args, **kwargs):
+                depth[name] += 1
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    depth[name] -= 1
+                    if not depth[name]:
+                        spans[name].append((start, time.perf_counter()))
+
+            return run
+
+        monkeypatch.setattr(runtime.codec, "push_many", timed("decoder", runtime.codec.push_many))
+        monkeypatch.setattr(runtime.frames, "next_frames", timed("generator", runtime.frames.next_frames))
+        return spans
+
+    return record
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The codec decoder's weight cache for every test and the processes it starts: a folder of
     the session's, never the user's (a decoder's later loads map what its first one saved). Set

@@ -191,30 +191,19 @@ def test_a_decode_holds_its_core_from_the_moment_it_is_asked_for(runtime, monkey
     assert cores.threads(wanted) == wanted and cores.asked == 0 and cores.lent == 0
 
 
-def test_offline_audio_decodes_a_frame_while_the_next_is_generated(runtime, offline, monkeypatch):
+def test_offline_audio_decodes_a_frame_while_the_next_is_generated(runtime, offline, engine_spans):
     """`Runtime.audio` (and so `synthesize`) overlaps the engines as a session's actors do: a
     frame's decode runs while the next frame is generated, with the same samples."""
-    spans: dict[str, list[tuple[float, float]]] = {"generate": [], "decode": []}
-
-    def timed(kind, method):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spans[kind].append((start, time.perf_counter()))
-
-        return run
-
-    monkeypatch.setattr(runtime.frames, "next_frames", timed("generate", runtime.frames.next_frames))
-    monkeypatch.setattr(runtime.codec, "push_many", timed("decode", runtime.codec.push_many))
+    spans = engine_spans(runtime)
     pcm = np.concatenate(
         list(runtime.audio(TEXT, voice="ryan", text_streaming=True, options=GenerationOptions(seed=5)))
     )
     assert same_audio(pcm, offline)
-    assert len(spans["decode"]) == len(offline) // 1920
-    overlapping = [d for d in spans["decode"] if any(g[0] < d[1] and d[0] < g[1] for g in spans["generate"])]
-    assert len(overlapping) >= len(spans["decode"]) // 2
+    assert len(spans["decoder"]) == len(offline) // 1920
+    overlapping = [
+        d for d in spans["decoder"] if any(g[0] < d[1] and d[0] < g[1] for g in spans["generator"])
+    ]
+    assert len(overlapping) >= len(spans["decoder"]) // 2
 
 
 def test_offline_audio_left_early_frees_its_stream(runtime, offline):

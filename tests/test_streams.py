@@ -365,28 +365,11 @@ def test_synthesize_from_several_threads_shares_the_passes(model, alone):
 
 
 @pytest.mark.serial
-def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shared, monkeypatch):
+def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shared, engine_spans):
     """`stats.busy_s`, on which the streams bench's busy shares rest: the decoder's grows by its
     decodes (and a pass's bookkeeping around them), the generator's by at least its passes'
     frames, and neither while the engines wait for work."""
-    spent = {"decoder": 0.0, "generator": 0.0}
-    depth = dict.fromkeys(spent, 0)  # a pass calls its engine again for streams that join it
-
-    def timed(name, fn):
-        def run(*args, **kwargs):
-            depth[name] += 1
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[name] -= 1
-                if not depth[name]:
-                    spent[name] += time.perf_counter() - start
-
-        return run
-
-    monkeypatch.setattr(shared.codec, "push_many", timed("decoder", shared.codec.push_many))
-    monkeypatch.setattr(shared.frames, "next_frames", timed("generator", shared.frames.next_frames))
+    spans = engine_spans(shared)
     engines = {"decoder": shared.decoder.stats, "generator": shared.generator.stats}
     before = {name: stats.busy_s for name, stats in engines.items()}
     start = time.perf_counter()
@@ -394,6 +377,7 @@ def test_each_engine_counts_the_time_its_thread_works_not_the_time_it_waits(shar
     wall = time.perf_counter() - start
     time.sleep(0.3)  # a pass's last bookkeeping may end after its caller has its result
     worked = {name: stats.busy_s - before[name] for name, stats in engines.items()}
+    spent = {name: sum(end - start for start, end in calls) for name, calls in spans.items()}
     time.sleep(0.3)  # waiting for work
     assert {name: stats.busy_s - before[name] for name, stats in engines.items()} == worked
     assert 0 < spent["decoder"] <= worked["decoder"] <= 1.1 * spent["decoder"] + 0.02
