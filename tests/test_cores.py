@@ -36,8 +36,26 @@ def test_a_process_spinning_beside_holds_a_core_until_it_stops():
     with spinning():
         assert 0.7 < settled(load) < 1.3
         assert cores.taken() == 1 and cores.threads(2) == 1 and cores.free() == 1
-    assert settled(load) < 0.4
+    assert settled(load) < SharedCores.GIVE_BACK
     assert cores.taken() == 0 and cores.threads(2) == 2 and cores.free() == 2
+
+
+class Readings(OthersLoad):
+    """Others' load as the test says it was read."""
+
+    def __init__(self, *cores: float) -> None:
+        super().__init__()
+        self.readings = iter(cores)
+
+    def refresh(self) -> float:
+        return next(self.readings)
+
+
+def test_a_core_others_held_is_kept_until_their_reading_falls_well_below_half():
+    """Beside our threads a process spinning on one core reads as little as half a core: a
+    reading just under it keeps the core held; one well under gives it back."""
+    cores = SharedCores(3, Readings(0.45, 0.55, 0.45, 0.4, 0.3, 1.6, 1.4, 1.2, 3.0))
+    assert [cores.taken() for _ in range(9)] == [0, 1, 1, 1, 0, 2, 2, 1, 2]
 
 
 def test_this_process_own_work_is_not_others():

@@ -3,6 +3,7 @@ cores the ggml graphs' calls lend to the codec decoder running beside them."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -136,21 +137,35 @@ class SharedCores:
     that start meanwhile wait for it (`alone`; on a 2-core AMD Zen 1, `bench
     --frames 20 --pipeline --repeat 3`, three alternated pairs: first audio 0.42 / 0.33 / 0.35
     s against 0.45 / 0.37 / 0.37 s, the same RTF). Cores that other processes keep busy are
-    held likewise (`OthersLoad`, rounded): beside one process spinning on one of 2 cores, a
-    40-frame run took 2.4x its quiet time with the generator on 2 threads, 1.5-1.8x on one.
+    held likewise (`OthersLoad`): beside one process spinning on one of 2 cores, a 40-frame
+    run took 2.4x its quiet time with the generator on 2 threads, 1.5-1.8x on one.
+
+    A core is held from a reading of half a core, and given back only once the reading falls
+    below `GIVE_BACK`: what others get is less than they ask while our threads run beside them
+    (that spinning process read 0.53-1.02 of a core in 0.25 s windows beside the generator and
+    the decoder, 0.0-0.1 once it stopped), and one window read under half a core would put the
+    generator back on 2 threads, where the process then gets even less.
     """
+
+    GIVE_BACK = 0.35  # of a core others held, the reading below which it is theirs no more
 
     def __init__(self, count: int, others: OthersLoad | None = None) -> None:
         self.count = count  # the cores the engines were given
         self.lent = 0  # held by the decoder's pass running
         self.asked = 0  # set aside for a decode that waits for its pass
         self.others = others or OthersLoad()
+        self._taken = 0  # the cores others held at the last reading
         self._alone = 0  # passes running that the graphs' calls wait for
         self._changed = threading.Condition()
 
     def taken(self) -> int:
         """The cores other processes hold now, of those the engines were given (all but one)."""
-        return min(self.count - 1, round(self.others.refresh()))
+        load = self.others.refresh()
+        held = math.floor(load + 0.5)
+        if held < self._taken:
+            held = min(self._taken, math.floor(load + 1 - self.GIVE_BACK))
+        self._taken = min(self.count - 1, held)
+        return self._taken
 
     def threads(self, wanted: int) -> int:
         """Threads for a graph call that wants `wanted`, once no pass that runs alone does."""
