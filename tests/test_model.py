@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from page_cache import resident
 
 import kazeia_stream
 from kazeia_stream import ModelFileError, UsageError
@@ -231,19 +231,6 @@ def test_ambiguous_folder(tiny_gguf, tmp_path):
         kazeia_stream.load_model(tmp_path)
 
 
-def _resident(path: Path) -> list[tuple[int, int]]:
-    """(size, resident bytes) of each mapping of `path` in this process."""
-    found, current = [], None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping's first line
-            start, end = (int(a, 16) for a in fields[0].split("-"))
-            current = end - start if fields[5:] == [str(path.resolve())] else None
-        elif fields[0] == "Rss:" and current is not None:
-            found.append((current, int(fields[1]) * 1024))
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux")
 def test_the_talker_s_text_embedding_stays_out_of_memory(tiny_runtime):
     runtime = tiny_runtime("custom_voice", "q8_0")
@@ -251,7 +238,7 @@ def test_the_talker_s_text_embedding_stays_out_of_memory(tiny_runtime):
     talker = model.talker_path
     assert model.prompt("Hello.", voice=model.default_voice).prefill.shape[0] > 0  # rows we read
     embd = model.talker_file.span(L.TALKER_TOKEN_EMBD)[1]
-    mapped = [(size, rss) for size, rss in _resident(talker) if size > embd]  # the engines'
+    mapped = [(size, rss) for size, rss in resident(talker) if size > embd]  # the engines'
     # the text embedding's pages none; every weight's mapped when the runtime was made, unless
     # they were read onto huge pages (`Weights`)
     weights = runtime.talker.weights

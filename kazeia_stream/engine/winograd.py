@@ -91,12 +91,14 @@ def kernel_weights(w: np.ndarray) -> np.ndarray:
     G[k, j] w_j. One float32 product at load, 5-7 ms for the largest (in float64, 100 ms, for
     a last bit, far below the transforms' rounding)."""
     c_out, c_in, taps = w.shape
-    return (_float32()[1] @ w.reshape(c_out * c_in, taps).T).reshape(SIZE, c_out, c_in)
+    return (float32_matrices()[1] @ w.reshape(c_out * c_in, taps).T).reshape(SIZE, c_out, c_in)
 
 
 @cache
-def _float32() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`matrices()` in float32, as the weights' product and the transforms' kernel take them."""
+def float32_matrices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`matrices()` in float32, as the weights' product and the transforms' kernel take them
+    (computed once, in exact fractions: 11 ms on Zen 1, which a decoder's load spends rather
+    than its first frame)."""
     a_t, g, b_t = matrices()
     return a_t.astype(F32), g.astype(F32), b_t.astype(F32)
 
@@ -200,7 +202,7 @@ def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
     ldv, plane = _layout(v)
     scratch, runs = np.empty(8 * chunk.width, F32), chunk.runs
     x = buf[:, chunk.start :]
-    _call("in", x, rows, ld, chunk.width, d, runs, len(runs), _float32()[2], v, ldv, plane, scratch)
+    _call("in", x, rows, ld, chunk.width, d, runs, len(runs), float32_matrices()[2], v, ldv, plane, scratch)
     return v
 
 
@@ -212,5 +214,5 @@ def transform_out(m: np.ndarray, chunk: Chunk, d: int, bias: np.ndarray, y: np.n
     assert y.dtype == F32 and y.flags.c_contiguous
     bias = np.ascontiguousarray(bias, dtype=F32).reshape(-1)
     scratch, runs = np.empty(9 * (chunk.width + 8), F32), chunk.runs
-    a_t, out, width = _float32()[0], y[:, chunk.start :], chunk.width
+    a_t, out, width = float32_matrices()[0], y[:, chunk.start :], chunk.width
     _call("out", m, m.shape[2], ldm, plane, d, runs, len(runs), a_t, bias, out, y.shape[1], width, scratch)
