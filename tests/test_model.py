@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from page_cache import resident
+from page_cache import cached_pages, resident
 
 import kazeia_stream
 from kazeia_stream import ModelFileError, UsageError
@@ -229,6 +230,22 @@ def test_ambiguous_folder(tiny_gguf, tmp_path):
     shutil.copy(talker, tmp_path / "other.gguf")
     with pytest.raises(ModelFileError, match="expected one talker"):
         kazeia_stream.load_model(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_rows_not_in_the_page_cache_are_read_together_not_faulted_in_one_by_one(tiny_gguf, tmp_path):
+    """A prompt's text rows are read, each asked of the page cache first, so that the disk
+    gives them together: the page cache then holds about their pages, where a mapping's page
+    faults would each have waited for 16 pages or more around its row."""
+    from kazeia_stream.model.gguf_file import GGUFFile, drop_from_page_cache
+
+    talker, _ = _copy_pair(tiny_gguf, tmp_path)
+    f = GGUFFile(talker)
+    ids = np.linspace(0, f.tensor_shape(L.TALKER_TOKEN_EMBD)[0] - 1, 8).astype(np.int64)  # far apart
+    drop_from_page_cache(talker)
+    rows = f.rows(L.TALKER_TOKEN_EMBD, ids)
+    assert cached_pages(talker) <= 2 * len(ids)
+    assert np.array_equal(rows, f.tensor(L.TALKER_TOKEN_EMBD)[ids])
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux")

@@ -235,11 +235,32 @@ class GGUFFile:
 
     def rows(self, name: str, ids: np.ndarray | list[int], table: int | None = None) -> np.ndarray:
         """Rows of a 2-D tensor (or of table `table` of a 3-D one) as float32, dequantized if
-        needed."""
-        data = self.raw(name)
+        needed. They are read, each asked of the page cache first (posix_fadvise WILLNEED), so
+        that those it does not hold come from the disk together rather than one page fault
+        after another: 16 random rows of a 0.6B talker's text embedding took 142-280 ms so
+        through a mapping, 1-22 ms read (a Zen 1 VM; a prompt's text rows are read so, on the
+        way to its first audio)."""
+        dtype, shape = self._layout(name)
+        offset, size = self.span(name)
         if table is not None:
-            data = data[table]
-        return self._float32(name, data[np.asarray(ids, dtype=np.int64)])
+            if not 0 <= table < shape[0]:
+                raise IndexError(f"table {table} of {name!r} is out of range")
+            shape, size = shape[1:], size // shape[0]
+            offset += table * size
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and not (ids.min() >= 0 and ids.max() < shape[0]):
+            raise IndexError(f"rows of {name!r} out of range: {ids.min()}..{ids.max()} of {shape[0]}")
+        step = size // shape[0]
+        out = np.empty((len(ids), step), np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            if hasattr(os, "posix_fadvise"):
+                for i in np.unique(ids).tolist():
+                    os.posix_fadvise(f.fileno(), offset + i * step, step, os.POSIX_FADV_WILLNEED)
+            for row, i in zip(out, ids.tolist()):
+                f.seek(offset + i * step)
+                if f.readinto(row.data) != step:
+                    raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
+        return self._float32(name, out.view(dtype).reshape(len(ids), *shape[1:]))
 
     def tensor(self, name: str) -> np.ndarray:
         """A whole tensor as float32 (mapped, when stored as float32)."""
