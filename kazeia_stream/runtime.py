@@ -73,6 +73,9 @@ class Runtime:
         # step: the talker's and the code predictor's delayed the first audio from process start
         # by 0.1-0.5 s (a quiet to a busy host), the decoder's by 0.1 s (its frame took the core
         # the session's first rows needed), and each saved its engine's first call 20 ms at most.
+        # But the generator's thread builds a first frame's graphs while the main thread waits
+        # for the vocabulary (`_ahead`): a session's first chunk came 0.22-0.25 s after its
+        # opening, against 0.26-0.41 (six alternated runs, Zen 1).
         self.admission = Admission(max_streams)  # streams beyond max_streams wait here, in order
         self.decoder = Decoder(
             lambda: self.codec, self.threads.decoder, self.cores, lambda: self.admission.active
@@ -88,11 +91,20 @@ class Runtime:
             model.talker_file, cfg.talker, self.threads.talker, slots=max_streams, cores=self.cores
         )
         self._codec = self.decoder.start_call(lambda: self._load_codec(model.mmproj_file))
-        model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
         self.generator = Generator(self.frames)
+        self.generator.start_call(self._ahead)
+        model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         # the decoder state after each in-context voice's reference frames
         self._primed: weakref.WeakKeyDictionary[Voice, DecoderState] = weakref.WeakKeyDictionary()
+
+    def _ahead(self) -> None:
+        """In the generator's thread while the vocabulary loads (the main thread waits for it):
+        what a first utterance's first frame would wait for, but its arithmetic: its graphs
+        (`FrameLoop.build_graphs`), and numpy's random module, which its sampler takes."""
+        import numpy.random  # noqa: F401
+
+        self.frames.build_graphs()
 
     def _load_codec(self, mmproj: GGUFFile) -> CodecDecoder:
         """The codec decoder; the graphs' calls meanwhile leave it a core."""

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 import kazeia_stream
-from kazeia_stream.engine import code_step
+from kazeia_stream.engine import code_step, q8_product
 from kazeia_stream.engine.code_predictor import CodePredictor
 from kazeia_stream.engine.sampler import CodeSampler
 from kazeia_stream.model import gguf_layout as L
@@ -251,3 +251,32 @@ def test_the_c_steps_can_be_turned_off(monkeypatch, c_steps):
         monkeypatch.undo()
         code_step.kernel.cache_clear()
     assert code_step.kernel() is not None
+
+
+@pytest.mark.skipif(not q8_product.KERNEL.available(), reason="our Q8_0 kernel does not run here")
+def test_a_runtime_builds_a_first_frame_s_graphs_while_its_vocabulary_loads(tiny_gguf, monkeypatch):
+    """The generator's thread builds the code predictor's graphs (and the talker's steps')
+    while the main thread waits for the vocabulary: a first utterance's frames build none of
+    the code predictor's (whose products our kernel takes: Q8_0), and are the same as a
+    runtime's later utterances."""
+    from kazeia_stream.engine.frames import GenerationOptions
+    from kazeia_stream.engine.qwen3 import Qwen3LM
+
+    model = kazeia_stream.load_model(tiny_gguf("custom_voice", "q8_0")[0])
+    runtime = kazeia_stream.Runtime(model)
+    runtime.generator.call(lambda: None)  # after the runtime's own first call
+    built, build = [], Qwen3LM._build
+    monkeypatch.setattr(Qwen3LM, "_build", lambda lm, *shape: built.append(lm) or build(lm, *shape))
+
+    def frames() -> list[np.ndarray]:
+        prompt = model.prompt("A first utterance.", voice="ryan", text_streaming=True)
+        options = GenerationOptions(max_frames=3, ignore_eos=True)
+        state = runtime.frames.start(prompt, model.text_feed(prompt), options, np.random.default_rng(3))
+        try:
+            return [runtime.frames.next_frame(state) for _ in range(3)]
+        finally:
+            runtime.frames.finish(state)
+
+    first = frames()
+    assert built and runtime.code_predictor.lm not in built  # the talker's prefill graph was built
+    assert all(np.array_equal(a, b) for a, b in zip(first, frames()))

@@ -157,6 +157,14 @@ class CodePredictor:
     def set_threads(self, threads: int) -> None:
         self.lm.set_threads(threads)
 
+    def build_graphs(self, seq: int) -> None:
+        """Build slot `seq`'s graphs of a frame's passes ahead of its first frame: codebook 1's
+        (h and C_talker(c0), `_step`'s outputs), then the later codebooks' (one row; only after
+        the larger first one, which would make it stale)."""
+        row = np.zeros((1, self.lm.input_width), np.float32)
+        if self.lm.build([(seq, row, 0), (seq, row, 1)], "head", [False, True]):
+            self.lm.build([(seq, row, 2)], "head")
+
     def _step(self, codebook: int, parts: list[Part]) -> np.ndarray:
         """Feed each stream's rows after its frame's earlier inputs: one-row parts (slot, row,
         position), codebook 1's two (h, C_talker(c0)) per stream; the logits of `codebook` at

@@ -169,6 +169,13 @@ class FrameLoop:
             max_new_tokens=gen.max_new_tokens,
         )
 
+    def build_graphs(self) -> None:
+        """Build the graphs of the first frames of an utterance in the first free slot (the
+        one a first utterance takes) ahead of them."""
+        seq = self.free[0]
+        self.talker.build_graphs(seq)
+        self.code_predictor.build_graphs(seq)
+
     def finish(self, state: FrameState) -> None:
         """Give the utterance's talker slot back (once; its fixed rows stay cached there, the
         memory of its other cells goes back to the kernel)."""

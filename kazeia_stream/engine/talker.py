@@ -149,6 +149,11 @@ class Talker:
         if computed:
             self._saved.save(fixed, *self.lm.cells(seq, len(fixed)))
 
+    def build_graphs(self, seq: int) -> None:
+        """Build the graph of slot `seq`'s steps over its first ATTENTION_BUCKET positions
+        ahead of them."""
+        self.lm.build([(seq, np.zeros((1, self.lm.input_width), np.float32), 0)])
+
     def step(self, state: TalkerState, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed one input embedding [H]; returns the next (hidden, logits)."""
         out = self.lm.forward(embed[None], state.pos, slot=state.seq)
