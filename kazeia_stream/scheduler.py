@@ -329,9 +329,6 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
         """The stream's next frame (`FrameLoop.next_frame`), from the next pass it is in."""
         return await self._ask(state)
 
-    def next_frame_sync(self, state: FrameState) -> np.ndarray | None:
-        return self._ask_sync(state)
-
     def next_frame_later(self, state: FrameState) -> _Result[np.ndarray | None]:
         """Ask for the stream's next frame from a thread without waiting for it, so that it is
         generated while the caller decodes the last one: `wait()` for it, or `forget` it."""

@@ -236,7 +236,7 @@ class Qwen3LM:
         layout = self._layout(parts, outputs)
         total = sum(n for _, n, _, _ in layout)
         threads = self.cores.threads(self.threads)
-        timed = total > 1 and self._shares_columns  # a call whose two ways differ
+        timed = self._two_ways(total)
         together = timed and self._together.pick((total, threads))
         call = self._call((layout, head, together))
         self._write(call, parts, head_index)
@@ -253,7 +253,7 @@ class Qwen3LM:
         (graphs took 4-21 ms each to build on Zen 1): whether it did (not where that call would
         time two graphs first, `_together`). A larger graph built later makes it stale."""
         layout = self._layout(parts, outputs)
-        if sum(n for _, n, _, _ in layout) > 1 and self._shares_columns:
+        if self._two_ways(sum(n for _, n, _, _ in layout)):
             return False
         self._call((layout, head, False))
         return True
@@ -268,7 +268,7 @@ class Qwen3LM:
         rows = [(slot, np.zeros((1, self.input_width), np.float32), pos) for slot in slots]
         layout = self._layout(rows, None)
         together: bool | None = False
-        if len(rows) > 1 and self._shares_columns:
+        if self._two_ways(len(rows)):
             together = self._together.chosen.get((len(rows), threads))
         if together is None:
             return None
@@ -362,6 +362,10 @@ class Qwen3LM:
             knb, vnb = strides(self.cache[k]), strides(self.cache[v])  # [.., n_ctx, slot], [.., block, slot]
             self.cache.release(k, slot * knb[2] + keep * knb[1], (slot + 1) * knb[2])
             self.cache.release(v, slot * vnb[3] + -(-keep // self.v_block) * vnb[2], (slot + 1) * vnb[3])
+
+    def _two_ways(self, rows: int) -> bool:
+        """Whether a call of `rows` rows has two graphs that differ, which `_together` times."""
+        return rows > 1 and self._shares_columns
 
     @cached_property
     def _shares_columns(self) -> bool:
