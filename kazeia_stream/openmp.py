@@ -9,7 +9,7 @@ import os
 # 300000, keeps the generator's second OpenMP thread spinning for milliseconds after a graph ran
 # on two threads, on the core that the codec decoder takes for the next frame's decode: in the
 # pipeline the decoder's pass took 54-59 ms a frame against 47-52 ms with 3000-30000 (RTF
-# 0.92-0.96 against 0.87-0.92; README, "Measured"); 10000 still bridges the gaps between the
+# 0.92-0.96 against 0.87-0.92; docs/measurements.md); 10000 still bridges the gaps between the
 # code predictor's passes (0 took it from 47 to 60 ms a frame).
 OPENMP_SPIN_COUNT = 10000
 

@@ -103,7 +103,7 @@ GGML_COLUMNS = 64
 # this takes its weight in panels (a copy; the weights then stream from memory at 32-43 GB/s
 # on Zen 4, against 17-35 in place four rows at a time), one of more in place (the columns'
 # rows are contiguous in the decoder's buffers), unless its inputs come column-major. The
-# decoder alone on Zen 4 (README, "Measured", 2026-12-04, late night): one stream 44.3-44.4 ms
+# decoder alone on Zen 4 (docs/measurements.md, 2026-12-04, late night): one stream 44.3-44.4 ms
 # a frame against 60.2-60.9 on ggml's graphs and numpy's BLAS, four streams 34.6 against
 # 43.1-43.5 ms a stream-frame.
 PANEL_COLUMNS = 8

@@ -16,7 +16,7 @@ columns of contiguous numbers, Winograd's planes, and for few columns, where the
 from memory at 32-43 GB/s against 17-35 for four rows at a time in place) or in place (rows of
 contiguous numbers: the decoder's channel-major buffers, many columns); with no copies of the
 columns in and out, which a ggml graph takes, or of the weights, which OpenBLAS packs at every
-call (README, "Measured", 2026-12-04, late night).
+call (docs/measurements.md, 2026-12-04, late night).
 
 A plain shared library that setuptools builds at install with the package (optional: without a
 C compiler, or on a CPU without AVX2, or with `KAZEIA_F32_KERNEL=0`, the products run on

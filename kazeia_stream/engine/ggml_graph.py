@@ -173,7 +173,7 @@ class Weights(_Tensors):
 
     The engines read every weight once a step, and a read through 4 KiB pages is slower: the
     code predictor's passes alone took 50 ms a frame on two threads from a mapping of 4 KiB
-    pages, 40 from huge pages (Zen 4; README, "Measured"). In place costs no copy, no fresh
+    pages, 40 from huge pages (Zen 4; docs/measurements.md). In place costs no copy, no fresh
     memory (on a virtual machine fresh huge pages can be slow to fault in: 0.5-0.8 s for a
     0.6B talker on Zen 1), and processes on the same file share it. Copied, where some were on
     huge pages, the whole file leaves the page cache (beside pages cached in small pieces the

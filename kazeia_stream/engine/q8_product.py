@@ -8,7 +8,7 @@ Q8_0 weights (`python -m kazeia_stream.engine.q8_product --mb 160`): one thread,
 21.2 ms (7.5 GB/s) against 13.8 ms (11.5 GB/s) on either variant, four rows 38.0 against 17.4
 (AVX512-VNNI) and 24.7 ms (AVX2); two threads, one row, 11.0 against 6.8 ms (23.5 GB/s; numpy's
 max reads 15 and 26 GB/s on one and two threads). On an AMD Zen 1 (AVX2 at half width, no VNNI)
-it keeps a small lead over ggml's in the engines (README, "Measured", 2026-12-03 afternoon)
+it keeps a small lead over ggml's in the engines (docs/measurements.md, 2026-12-03 afternoon)
 once its threads claim the weight rows in chunks, as ggml's one-column product does, and its
 tile bodies are inlined per row count: with fixed shares, a thread that the host or the codec
 decoder held back held the whole product up, and the engines ran 25-35% slower than on ggml's.
