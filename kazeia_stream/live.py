@@ -83,10 +83,24 @@ LINE_BUFFER = 16  # lines waiting while the current one is spoken
 PIECE_BUFFER = 1024  # text pieces of one line waiting to be tokenized
 
 
-async def read_lines(fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveChannel[str]]) -> None:
+class Refusals:
+    """Input `pipe` reported on stderr and skipped, going on with the rest: its exit status is
+    then 1, as a tool that reads many inputs (cp, grep) says that one of them failed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def report(self, message: str) -> None:
+        print(f"kazeia-stream: {message}", file=sys.stderr)
+        self.count += 1
+
+
+async def read_lines(
+    fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveChannel[str]], refusals: Refusals
+) -> None:
     """Send each line of UTF-8 text on `fd` as a channel of its pieces, opened as soon as the
     line starts, so a line is spoken while it is still being written. A line ends at LF, CR or
-    CR LF. Invalid UTF-8 is reported on stderr and skipped."""
+    CR LF. Invalid UTF-8 is reported and skipped (`refusals`)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     send: trio.MemorySendChannel[str] | None = None
     async with lines, trio.lowlevel.FdStream(os.dup(fd)) as source:
@@ -95,7 +109,10 @@ async def read_lines(fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveCh
                 if send is None:
                     send, receive = trio.open_memory_channel[str](PIECE_BUFFER)
                     await lines.send(receive)
-                text = _decode(decoder, part).rstrip("\r\n")
+                text, bad = _decode(decoder, part)
+                if bad:
+                    refusals.report(f"skipped invalid UTF-8 bytes {bad!r}")
+                text = text.rstrip("\r\n")
                 if text:
                     await send.send(text)
                 if part.endswith((b"\n", b"\r")):
@@ -106,8 +123,8 @@ async def read_lines(fd: int, lines: trio.MemorySendChannel[trio.MemoryReceiveCh
             await send.aclose()
 
 
-def _decode(decoder: codecs.IncrementalDecoder, data: bytes) -> str:
-    """Decode, dropping invalid byte sequences with one message on stderr."""
+def _decode(decoder: codecs.IncrementalDecoder, data: bytes) -> tuple[str, bytes]:
+    """Decode, dropping invalid byte sequences: the text, and the bytes dropped."""
     text, bad = "", b""
     while True:
         try:
@@ -118,9 +135,7 @@ def _decode(decoder: codecs.IncrementalDecoder, data: bytes) -> str:
             bad += data[e.start : e.end]
             data = data[e.end :]
             decoder.reset()
-    if bad:
-        print(f"kazeia-stream: skipped invalid UTF-8 bytes {bad!r}", file=sys.stderr)
-    return text
+    return text, bad
 
 
 async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]:
@@ -132,22 +147,24 @@ async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]
 async def pipe(runtime: Runtime, fmt: str, **session: Any) -> int:
     """Read text from stdin (a line is an utterance) and write raw PCM to stdout, nothing
     else, flushed per chunk. A reader that closed stdout ends it quietly; any other write error
-    is an `OutputError`."""
+    is an `OutputError`. Input refused on the way (invalid UTF-8, a line the session refuses)
+    is reported and skipped, and the exit status is then 1 (`Refusals`)."""
     lines_send, lines = trio.open_memory_channel[trio.MemoryReceiveChannel[str]](LINE_BUFFER)
+    refusals = Refusals()
     out = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
     async with out, runtime.open(**session) as tts, trio.open_nursery() as nursery:
-        nursery.start_soon(read_lines, sys.stdin.fileno(), lines_send)
+        nursery.start_soon(read_lines, sys.stdin.fileno(), lines_send, refusals)
         async for line in lines:
             try:
                 await write_pcm(tts.speak(_pieces(line)), out, fmt)
             except EmptyTextError:  # blank lines are simply skipped
                 pass
             except UsageError as e:
-                print(f"kazeia-stream: {e}", file=sys.stderr)
+                refusals.report(str(e))
             except trio.BrokenResourceError as e:
                 if not isinstance(e.__cause__, BrokenPipeError):
                     reason = getattr(e.__cause__, "strerror", None) or str(e.__cause__ or e)
                     raise OutputError(f"cannot write to stdout: {reason}") from None
                 nursery.cancel_scope.cancel()
                 break
-    return 0
+    return 1 if refusals.count else 0

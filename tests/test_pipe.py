@@ -57,11 +57,11 @@ def test_lines_in_pcm_out(model_path, expected, fmt):
     assert r.stderr == b""
 
 
-def test_invalid_utf8_is_reported_and_skipped(model_path, expected):
+def test_invalid_utf8_is_reported_and_skipped_and_the_exit_status_says_so(model_path, expected):
     stdin = LINES[0].encode() + b"\n\xff\xfe\n" + LINES[1].encode()  # no final newline either
     r = subprocess.run(pipe(model_path), input=stdin, capture_output=True, timeout=300)
-    assert r.returncode == 0, r.stderr.decode()
-    assert same_pcm(r.stdout, expected, "s16le")
+    assert r.returncode == 1, r.stderr.decode()
+    assert same_pcm(r.stdout, expected, "s16le")  # every valid line is spoken all the same
     assert b"invalid UTF-8" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
