@@ -400,6 +400,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     ms, floor, x = result["ms_per_frame"], result["floor_ms_per_frame"], result["x_floor"]
+    compute = result["compute_floor_ms_per_frame"]
     _report(
         f"{result['frames']} frames, {result['audio_s']:.2f} s of audio in {result['wall_s']:.2f} s "
         f"(RTF {result['rtf']:.2f}), first audio after {result['ttfa_s']:.3f} s\n"
@@ -409,7 +410,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{floor['code_predictor']} ms, decoder {floor['decoder']} ms, RTF {result['floor_rtf']:.2f} "
         f"(measured / floor: {x['talker']}, {x['code_predictor']}, {x['decoder']}, RTF {x['rtf']}); "
         f"the decoder's products in a decode's order, weights from memory: "
-        f"{result['decoder_products_in_order_ms']} ms",
+        f"{result['decoder_products_in_order_ms']} ms; the products' arithmetic, weights in the "
+        f"caches: talker {compute['talker']} ms, code predictor {compute['code_predictor']} ms",
         result,
         args.json,
     )

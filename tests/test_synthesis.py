@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -137,7 +138,7 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     assert set(result) == {
         *("frames", "audio_s", "ttfa_s", "wall_s", "rtf", "ms_per_frame", "peak_rss_mb"),
         *("cost_per_frame", "read_gb_s", "floor_ms_per_frame", "floor_rtf", "x_floor"),
-        "decoder_products_in_order_ms",
+        *("decoder_products_in_order_ms", "macs_g_per_s", "compute_floor_ms_per_frame"),
     }
     stages = {"talker", "code_predictor", "decoder"}
     for key in ("ms_per_frame", "floor_ms_per_frame", "cost_per_frame"):
@@ -148,6 +149,12 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
     assert all(c["bytes"] > 0 and c["macs"] > 0 for c in result["cost_per_frame"].values())
     assert set(result["read_gb_s"]) == {"1", str(available_cores())} and min(result["read_gb_s"].values()) > 0
     assert result["decoder_products_in_order_ms"] > 0
+    # the tiny model's matrices are all of one type: each stage's multiply-adds at its rate
+    (rate,) = result["macs_g_per_s"].values()
+    compute = result["compute_floor_ms_per_frame"]
+    assert set(compute) == {"talker", "code_predictor"}
+    for stage, ms in compute.items():
+        assert ms == pytest.approx(result["cost_per_frame"][stage]["macs"] / rate / 1e6, rel=0.01)
     x = result["x_floor"]
     assert set(x) == {*stages, "rtf"} and min(x.values()) > 0
     assert x["rtf"] == pytest.approx(result["rtf"] / result["floor_rtf"], rel=0.02)  # one run: its own
@@ -177,6 +184,15 @@ def test_costs_count_the_bytes_the_engines_read(tiny_runtime):
     assert cp.bytes_per_pass == sum(mmproj.span(n)[1] for n in read) + head
     assert cost["code_predictor"]["bytes"] == cp.n_groups * cp.bytes_per_pass
     assert cost["decoder"]["macs"] == runtime.codec.macs_per_frame
+    # multiply-adds: every matrix of the talker but the text embedding; the code predictor's
+    # per pass (one head), one pass per codebook and the first pass's second row
+    talker = runtime.model.talker_file
+    matrices = [talker.tensor_shape(n) for n in talker.tensor_names if n != L.TALKER_TOKEN_EMBD]
+    assert cost["talker"]["macs"] == sum(math.prod(s) for s in matrices if len(s) > 1)
+    per_pass = [mmproj.tensor_shape(n) for n in [*layers, *projection]]
+    one_head = math.prod(mmproj.tensor_shape(L.CP_HEAD)[1:])
+    expected = sum(math.prod(s) for s in per_pass if len(s) > 1) + one_head
+    assert cost["code_predictor"]["macs"] == (cp.n_groups + 1) * expected
 
 
 @pytest.mark.subprocess

@@ -28,6 +28,7 @@ at a time (the runtime's generator thread): its KV cache and graphs are that thr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -128,8 +129,12 @@ class CodePredictor:
         n_heads = plan.shape("head")[0]
         self.bytes_per_pass = sum(plan.nbytes(n) for n in plan.sources if n != "head")
         self.bytes_per_pass += plan.nbytes("head") // n_heads
-        self.params_per_pass = sum(int(np.prod(plan.shape(n))) for n in plan.sources if n != "head")
-        self.params_per_pass += int(np.prod(plan.shape("head"))) // n_heads
+        self.macs_per_pass: dict[QType, int] = {}  # of its matrices, by weight type
+        for n in plan.sources:
+            shape = plan.shape(n)
+            if len(shape) > 1:
+                macs = math.prod(shape) // (n_heads if n == "head" else 1)
+                self.macs_per_pass[plan.types[n]] = self.macs_per_pass.get(plan.types[n], 0) + macs
         self.lm = Qwen3LM(
             self.weights,
             cfg,

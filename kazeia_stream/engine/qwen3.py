@@ -90,11 +90,11 @@ def file_weights(f: GGUFFile, sources: dict[str, str], types: dict[str, QType]) 
     return Weights(
         f,
         {name: src for name, src in sources.items() if name not in converted},
-        {name: (types[name], _convert(f.read(sources[name]), types[name])) for name in converted},
+        {name: (types[name], convert(f.read(sources[name]), types[name])) for name in converted},
     )
 
 
-def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
+def convert(values: np.ndarray, qtype: QType) -> np.ndarray:
     """float32 values as `qtype` stores them (F32, F16, or quantized rows of bytes)."""
     if qtype == QType.F32:
         return values
@@ -106,7 +106,7 @@ def _convert(values: np.ndarray, qtype: QType) -> np.ndarray:
 _KERNELS = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K)
 
 
-def _kernel(w: Tensor) -> Kernel | None:
+def product_kernel(w: Tensor) -> Kernel | None:
     """Our kernel that multiplies weight `w` (`q8_product`, `kquant_product`), if one does."""
     return next((k for k in _KERNELS if k.takes(w)), None)
 
@@ -373,7 +373,7 @@ class Qwen3LM:
         not: only then do the two ways that `_together` times differ (our kernels take every
         row at once, `_kernel`)."""
         return any(
-            _kernel(w) is None and columns_agree(w)  # a kernel's: no probe needed
+            product_kernel(w) is None and columns_agree(w)  # a kernel's: no probe needed
             for w in self.weights.tensors.values()
             if dims(w)[1] > 1
         )
@@ -462,7 +462,7 @@ class Qwen3LM:
         together was faster (130-143 against 178-182 ms). Else each part is multiplied alone,
         as it would be without the others."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
-        kernel = _kernel(w)
+        kernel = product_kernel(w)
         if kernel is not None:  # all rows at once: each row's numbers its own
             return kernel.product(g, w, x, ids=index)
         if index is not None:
