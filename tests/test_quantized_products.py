@@ -101,14 +101,14 @@ def test_the_engines_multiply_each_type_on_its_kernel(monkeypatch):
     }
     for kernel in kernels:
         if kernel.available():
-            assert qwen3._kernel(weights[kernel.qtype].tensor) is kernel
-    assert qwen3._kernel(weights[QType.Q3_K].tensor) is None
+            assert qwen3.product_kernel(weights[kernel.qtype].tensor) is kernel
+    assert qwen3.product_kernel(weights[QType.Q3_K].tensor) is None
     monkeypatch.setenv(kquant_product.ENV, "0")
     for kernel in kernels[1:]:
         kernel.chosen.cache_clear()
     try:
         for kernel in kernels[1:]:
-            assert qwen3._kernel(weights[kernel.qtype].tensor) is None
+            assert qwen3.product_kernel(weights[kernel.qtype].tensor) is None
     finally:
         monkeypatch.undo()
         for kernel in kernels[1:]:

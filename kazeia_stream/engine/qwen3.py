@@ -371,7 +371,7 @@ class Qwen3LM:
     def _shares_columns(self) -> bool:
         """Whether some product can give several rows one kernel call (`columns_agree`) or
         not: only then do the two ways that `_together` times differ (our kernels take every
-        row at once, `_kernel`)."""
+        row at once, `product_kernel`)."""
         return any(
             product_kernel(w) is None and columns_agree(w)  # a kernel's: no probe needed
             for w in self.weights.tensors.values()
