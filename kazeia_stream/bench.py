@@ -15,7 +15,6 @@ another does (without it, first audio took 0.39-0.43 s instead of 0.25-0.32 on a
 
 from __future__ import annotations
 
-import math
 import resource
 import statistics
 import sys
@@ -30,6 +29,7 @@ from .bandwidth import read_gb_s
 from .channels import UtteranceMetrics
 from .engine import product_rate
 from .engine.frames import GenerationOptions
+from .engine.qwen3 import matrix_macs
 from .model import gguf_layout as L
 from .model.model import VoiceArg
 from .runtime import Runtime
@@ -84,15 +84,10 @@ def generator_macs(runtime: Runtime) -> dict[str, dict[QType, int]]:
     talker's matrices once per step (all but the text embedding, whose rows we feed), the code
     predictor's once per pass and one pass per codebook, the first pass two rows."""
     f = runtime.model.talker_file
-    talker: dict[QType, int] = {}
-    for name in f.tensor_names:
-        shape = f.tensor_shape(name)
-        if name != L.TALKER_TOKEN_EMBD and len(shape) > 1:
-            qtype = f.tensor_type(name)
-            talker[qtype] = talker.get(qtype, 0) + math.prod(shape)
+    names = [n for n in f.tensor_names if n != L.TALKER_TOKEN_EMBD]
     cp = runtime.code_predictor
     return {
-        "talker": talker,
+        "talker": matrix_macs((f.tensor_type(n), f.tensor_shape(n)) for n in names),
         "code_predictor": {qtype: (cp.n_groups + 1) * macs for qtype, macs in cp.macs_per_pass.items()},
     }
 

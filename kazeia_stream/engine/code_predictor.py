@@ -28,7 +28,6 @@ at a time (the runtime's generator thread): its KV cache and graphs are that thr
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -40,7 +39,7 @@ from ..model.config import CodePredictorConfig
 from ..model.gguf_file import GGUFFile
 from . import code_step
 from .ggml_graph import Weights, nbytes
-from .qwen3 import Part, Qwen3LM, file_weights, weight_names, weight_types
+from .qwen3 import Part, Qwen3LM, file_weights, matrix_macs, weight_names, weight_types
 from .sampler import CodeSampler
 from .threads import SharedCores
 
@@ -129,12 +128,9 @@ class CodePredictor:
         n_heads = plan.shape("head")[0]
         self.bytes_per_pass = sum(plan.nbytes(n) for n in plan.sources if n != "head")
         self.bytes_per_pass += plan.nbytes("head") // n_heads
-        self.macs_per_pass: dict[QType, int] = {}  # of its matrices, by weight type
-        for n in plan.sources:
-            shape = plan.shape(n)
-            if len(shape) > 1:
-                macs = math.prod(shape) // (n_heads if n == "head" else 1)
-                self.macs_per_pass[plan.types[n]] = self.macs_per_pass.get(plan.types[n], 0) + macs
+        self.macs_per_pass = matrix_macs(  # by weight type; one head of the stacked ones
+            (plan.types[n], plan.shape(n)[1:] if n == "head" else plan.shape(n)) for n in plan.sources
+        )
         self.lm = Qwen3LM(
             self.weights,
             cfg,

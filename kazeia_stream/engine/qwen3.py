@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -101,6 +101,16 @@ def convert(values: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.F16:
         return values.astype(np.float16)
     return quantize(values, qtype)
+
+
+def matrix_macs(weights: Iterable[tuple[QType, Sequence[int]]]) -> dict[QType, int]:
+    """Multiply-adds of one row through the matrices among `weights` ((type, shape) each; a
+    vector multiplies nothing), by weight type."""
+    macs: Counter[QType] = Counter()
+    for qtype, shape in weights:
+        if len(shape) > 1:
+            macs[qtype] += math.prod(shape)
+    return dict(macs)
 
 
 _KERNELS = (q8_product.KERNEL, kquant_product.Q4_K, kquant_product.Q5_K, kquant_product.Q6_K)

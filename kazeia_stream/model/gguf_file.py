@@ -7,6 +7,7 @@ opening a large vocabulary costs milliseconds. Tensor data is memory-mapped with
 from __future__ import annotations
 
 import ctypes
+import io
 import itertools
 import os
 from collections.abc import Iterable, Sequence
@@ -228,10 +229,16 @@ class GGUFFile:
         too), and memory of the caller's choosing (huge pages stream faster than a mapping's
         4 KiB ones, which the kernel may drop)."""
         offset, size = self.span(name)
+        if len(out) != size:
+            raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(offset)
-            if len(out) != size or f.readinto(out.data) != size:
-                raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
+            self._read_at(f, offset, out, name)
+
+    def _read_at(self, f: io.FileIO, offset: int, out: np.ndarray, name: str) -> None:
+        """`out`'s bytes from `offset` of tensor `name`'s open file, whole."""
+        f.seek(offset)
+        if f.readinto(out.data) != len(out):
+            raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
 
     def rows(self, name: str, ids: np.ndarray | list[int], table: int | None = None) -> np.ndarray:
         """Rows of a 2-D tensor (or of table `table` of a 3-D one) as float32, dequantized if
@@ -257,9 +264,7 @@ class GGUFFile:
                 for i in np.unique(ids).tolist():
                     os.posix_fadvise(f.fileno(), offset + i * step, step, os.POSIX_FADV_WILLNEED)
             for row, i in zip(out, ids.tolist()):
-                f.seek(offset + i * step)
-                if f.readinto(row.data) != step:
-                    raise ModelFileError(f"{self.path}: tensor {name!r} could not be read whole")
+                self._read_at(f, offset + i * step, row, name)
         return self._float32(name, out.view(dtype).reshape(len(ids), *shape[1:]))
 
     def tensor(self, name: str) -> np.ndarray:
