@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from decoders import PRODUCTS, tiny_decoder
 
-from kazeia_stream.engine import f32_product, snake, winograd
+from kazeia_stream.engine import f32_product, matrix, snake, winograd
 from kazeia_stream.engine.codec import PANEL_COLUMNS, SPLIT_COLUMNS, CodecDecoder
 from kazeia_stream.engine.threads import available_cores
 from kazeia_stream.model.gguf_file import GGUFFile
@@ -168,18 +168,16 @@ def _blas_threads() -> set[int]:
 def test_each_push_sets_its_own_blas_threads(decoder, reference, monkeypatch):
     from threadpoolctl import threadpool_limits
 
-    from kazeia_stream.engine import codec
-
     seen, ggml, teams = [], [], []
-    multiply, compute = codec.Matrix.__call__, codec.Graph.compute
+    multiply, compute = matrix.Matrix.__call__, matrix.Graph.compute
 
     def spy(*args, **kwargs):  # every product, on whichever kernel (numpy's attention too)
         seen.append(_blas_threads())
         teams.append(getattr(f32_product._team.get(), "threads", 1))  # our kernel's
         return multiply(*args, **kwargs)
 
-    monkeypatch.setattr(codec.Matrix, "__call__", spy)
-    monkeypatch.setattr(codec.Graph, "compute", lambda graph, n: ggml.append(n) or compute(graph, n))
+    monkeypatch.setattr(matrix.Matrix, "__call__", spy)
+    monkeypatch.setattr(matrix.Graph, "compute", lambda graph, n: ggml.append(n) or compute(graph, n))
     graphs = not any(m.variant for m, _ in decoder.products())  # else all on our kernel
     with threadpool_limits(limits=2, user_api="blas"):
         state = decoder.new_state()
@@ -201,12 +199,11 @@ def test_a_fresh_decoder_s_first_frames_build_no_graph(tiny_gguf, reference, mon
     """The load builds a frame's graphs on ggml's kernels, placed in the compute buffer at its
     full size: the first frames neither build one nor rebuild one that the buffer's growth
     left stale (which the second frame did, 10 ms on the 0.6B)."""
-    from kazeia_stream.engine import codec
 
     decoder = tiny_decoder(tiny_gguf("custom_voice")[1], "ggml")  # where our kernel does not run
     built = []
-    init = codec.Graph.__init__
-    monkeypatch.setattr(codec.Graph, "__init__", lambda graph, n: built.append(n) or init(graph, n))
+    init = matrix.Graph.__init__
+    monkeypatch.setattr(matrix.Graph, "__init__", lambda graph, n: built.append(n) or init(graph, n))
     state = decoder.new_state()
     for frame in reference["codes"][:3]:
         decoder.push(state, frame[None])
@@ -248,16 +245,15 @@ def test_priming_with_a_reference_gives_the_joint_decode_after_it(decoder, refer
 
 @pytest.mark.parametrize("frames", [1, 5])
 def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkeypatch, frames):
-    from kazeia_stream.engine import codec
 
     counted = []
-    product = codec.Matrix.__call__
+    product = matrix.Matrix.__call__
 
     def counting(m, x, out=None):
         counted.append(m.shape[0] * m.shape[1] * x.shape[1])
         return product(m, x, out)
 
-    monkeypatch.setattr(codec.Matrix, "__call__", counting)
+    monkeypatch.setattr(matrix.Matrix, "__call__", counting)
     decoder.decode(reference["codes"][:frames])
     assert sum(counted) == decoder.macs_per_frame * frames
     if frames == 1:  # one product per weight
@@ -269,16 +265,15 @@ def test_the_products_floor_runs_a_decode_s_products(decoder, monkeypatch, in_or
     """`products_time` multiplies each weight by the columns a decode of 2 frames a push gives
     it (numpy's layers one frame's columns at a time), each product `repeat` times in a row,
     or `in_order` all of them one after another, `repeat` times."""
-    from kazeia_stream.engine import codec
 
     calls = []
-    product = codec.Matrix.__call__
+    product = matrix.Matrix.__call__
 
     def counting(m, x, out=None):
         calls.append((id(m), x.shape[1]))
         return product(m, x, out)
 
-    monkeypatch.setattr(codec.Matrix, "__call__", counting)
+    monkeypatch.setattr(matrix.Matrix, "__call__", counting)
     assert decoder.products_time(2, repeat=3, in_order=in_order) > 0
     each = [
         [(id(m), 2 * columns)] if m.allocator else [(id(m), columns)] * 2 for m, columns in decoder.products()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from decoders import PRODUCTS, tiny_decoder
 
-from kazeia_stream.engine.codec import CodecDecoder, ContextBuffer, DecoderState
+from kazeia_stream.engine.codec import CodecDecoder, DecoderState
+from kazeia_stream.engine.codec_layers import ContextBuffer
 
 
 @pytest.fixture(scope="module", params=PRODUCTS)
@@ -128,15 +129,15 @@ def test_rejects_bad_arguments_before_decoding(decoder, utterances):
 def test_matmul_in_row_blocks_is_the_product(monkeypatch, columns):
     """The few columns of several streams go through `_matmul`'s row blocks where OpenBLAS
     has its small-matrix kernel (forced on here; the tiny model's products are too small)."""
-    from kazeia_stream.engine import codec
+    from kazeia_stream.engine import matrix
 
-    monkeypatch.setattr(codec, "_small_gemm", lambda: True)
+    monkeypatch.setattr(matrix, "_small_gemm", lambda: True)
     rng = np.random.default_rng(columns)
     w = rng.standard_normal((1000, 512), dtype=np.float32)
     buf = rng.standard_normal((512, columns + 3), dtype=np.float32)
     x = buf[:, 3:]  # a tap: a column view of a context buffer
     expected = w.astype(np.float64) @ x.astype(np.float64)
-    np.testing.assert_allclose(codec._matmul(w, x), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(matrix.matmul(w, x), expected, rtol=1e-4, atol=1e-4)
     out = np.empty((1000, columns), np.float32)
-    assert codec._matmul(w, x, out=out) is out
+    assert matrix.matmul(w, x, out=out) is out
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)

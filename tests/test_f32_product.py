@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kazeia_stream.engine import f32_product, native
-from kazeia_stream.engine.codec import Matrix
+from kazeia_stream.engine.matrix import Matrix
 
 pytestmark = pytest.mark.skipif(
     not f32_product.variants(), reason="the kernel is not built, or this CPU lacks AVX2"

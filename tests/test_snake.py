@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kazeia_stream.engine import native, snake
-from kazeia_stream.engine.codec import SnakeBeta
+from kazeia_stream.engine.codec_layers import SnakeBeta
 
 pytestmark = pytest.mark.skipif(
     not snake.variants(), reason="the kernel is not built, or this CPU lacks AVX2"

@@ -47,7 +47,8 @@ from threadpoolctl import ThreadpoolController
 from ..errors import ModelFileError
 from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
-from .codec import Linear, _gelu, _rope
+from .codec_layers import Linear, gelu
+from .codec_transformer import rope
 
 F32 = np.float32
 # np.pad modes of Mimi's pad modes (MimiConv1d._pad1d: torch.nn.functional.pad).
@@ -195,7 +196,7 @@ class TransformerLayer:
         """x [C, T]; cos, sin [head_dim, T]; mask [T, T] additive (0 or -inf)."""
         n, hd, nh, nkv = x.shape[1], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(_layer_norm(x, *self.ln1, self.eps))
-        qk = _rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n), cos, sin)
+        qk = rope(qkv[: (nh + nkv) * hd].reshape(nh + nkv, hd, n), cos, sin)
         rep = nh // nkv
         q = qk[:nh].transpose(0, 2, 1)  # [heads, T, hd]
         k = np.repeat(qk[nh:], rep, axis=0)  # [heads, hd, T]
@@ -210,7 +211,7 @@ class TransformerLayer:
             scores /= scores.sum(axis=-1, keepdims=True)
             attn[:, :, i : i + QUERY_BLOCK] = v @ scores.transpose(0, 2, 1)
         x = x + self.ls1 * self.out(attn.reshape(nh * hd, n))
-        h = self.down(_gelu(self.up(_layer_norm(x, *self.ln2, self.eps))))
+        h = self.down(gelu(self.up(_layer_norm(x, *self.ln2, self.eps))))
         h *= self.ls2
         x += h
         return x

@@ -1,5 +1,5 @@
 """Float32 weights times float32 columns on a kernel of our own (`f32_product.c`), called
-directly on the codec decoder's own buffers (`codec.Matrix`), on one thread or shared by rows
+directly on the codec decoder's own buffers (`matrix.Matrix`), on one thread or shared by rows
 with helper threads (`Team`); packed weights may be float16 as a file stores them, widened in
 the registers: the same numbers.
 

@@ -3,7 +3,7 @@ where the CPU has AVX2: one pass over x, where numpy takes five (its sin a third
 On the decoder's shapes (96 x 1920 down to 768 x 32), 2.4-3.9x numpy's speed on AVX-512 and
 2.0-2.6x on AVX2, and as accurate (both within 1.1e-6 of the formula in float64 there); on AVX2
 four registers at a time since, 3.7-7.7x on a Zen 1 (1.3-1.9 ns an element, one run). The
-codec decoder's activations (`codec.SnakeBeta`) go through it, or through numpy where it was not
+codec decoder's activations (`codec_layers.SnakeBeta`) go through it, or through numpy where it was not
 built."""
 
 from __future__ import annotations
