@@ -26,16 +26,12 @@ so the peak memory is about the largest tensor, not the model.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import math
 import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
 
 import gguf
 import numpy as np
@@ -44,6 +40,7 @@ from gguf import TokenType
 
 from ..errors import ModelFileError, UsageError
 from . import gguf_layout as L
+from .checkpoint import Checkpoint, SafeTensors, read_json
 from .gguf_file import drop_from_page_cache
 
 TYPES: dict[str, str] = {
@@ -73,7 +70,6 @@ _FILE_TYPES = {
 }
 
 _FOLD_ROWS = 4096  # text-embedding rows folded per block
-_FINGERPRINT_BYTES = 1 << 20
 # Fixed by the architectures (llama.cpp's converter and clip.cpp hard-code them too).
 _SPK_BLOCKS = 3  # ECAPA-TDNN SE-Res2Net blocks, `blocks.1..3`
 _SPK_RES2_CONVS = 7  # res2net scale 8
@@ -149,7 +145,7 @@ def convert(
         raise UsageError(f"unknown type {out_type!r}; choose one of {', '.join(TYPES)}")
     if decoder not in DECODER_TYPES:
         raise UsageError(f"unknown decoder type {decoder!r}; choose one of {', '.join(DECODER_TYPES)}")
-    ckpt = _Checkpoint(Path(hf_dir))
+    ckpt = Checkpoint(Path(hf_dir))
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: not a folder (the pair is written into OUT_DIR)")
@@ -196,158 +192,6 @@ def _llama_quantize(src: Path, dst: Path, ftype: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Reading the checkpoint
-# ------------------------------------------------------------------------------------------------
-
-
-class _Json:
-    """A JSON object from a file; a missing key is a ModelFileError naming the file and key."""
-
-    def __init__(self, path: Path, data: dict[str, Any] | None = None, where: str = "") -> None:
-        self.path, self.where = path, where
-        if data is None:
-            data = _read_json(path)
-        if not isinstance(data, dict):
-            raise ModelFileError(f"{path}: {where or 'top level'} is not a JSON object")
-        self.data = data
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.data or self.data[key] is None:
-            raise ModelFileError(f"{self.path}: missing key {self.where}{key}")
-        return self.data[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.data.get(key, default)
-
-    def section(self, key: str) -> _Json:
-        return _Json(self.path, self[key], f"{self.where}{key}.")
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: file not found") from None
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
-
-
-class _SafeTensors:
-    """One .safetensors file, read as float32 by tensor, whole or by rows of the first axis.
-
-    safetensors' numpy API cannot read BF16, so the header is parsed here and BF16 is widened
-    by shifting the raw 16 bits into the top of a float32."""
-
-    _DTYPES: ClassVar[dict[str, np.dtype]] = {
-        "BF16": np.dtype(np.uint16),
-        "F16": np.dtype(np.float16),
-        "F32": np.dtype(np.float32),
-    }
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if not 0 < n <= size - 8:
-                    raise ValueError("bad header length")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            self._entries = {name: self._entry_of(name, e, 8 + n, size) for name, e in header.items()}
-        except FileNotFoundError:
-            raise ModelFileError(f"{path}: file not found") from None
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ModelFileError(f"{path}: not a safetensors file ({e!r})") from None
-
-    def _entry_of(
-        self, name: str, entry: dict[str, Any], data_start: int, size: int
-    ) -> tuple[np.dtype, tuple[int, ...], int]:
-        dtype = self._DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ModelFileError(f"{self.path}: tensor {name} has unsupported dtype {entry['dtype']}")
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(o) for o in entry["data_offsets"])
-        if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
-            raise ModelFileError(f"{self.path}: tensor {name} lies outside the file (truncated?)")
-        return dtype, shape, data_start + begin
-
-    def has(self, name: str) -> bool:
-        return name in self._entries
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name)[1]
-
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) of the first axis (all by default), as float32."""
-        dtype, shape, offset = self._entry(name)
-        stop = shape[0] if stop is None else stop
-        row = math.prod(shape[1:])
-        with open(self.path, "rb") as f:
-            f.seek(offset + start * row * dtype.itemsize)
-            raw = np.fromfile(f, dtype=dtype, count=(stop - start) * row)
-        raw = raw.reshape(stop - start, *shape[1:])
-        if dtype == np.uint16:
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw.astype(np.float32, copy=False)
-
-    def _entry(self, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
-        if name not in self._entries:
-            raise ModelFileError(f"{self.path}: missing tensor {name}")
-        return self._entries[name]
-
-    def expect(self, name: str, shape: tuple[int, ...]) -> None:
-        if self.shape(name) != shape:
-            raise ModelFileError(
-                f"{self.path}: tensor {name} has shape {list(self.shape(name))}, "
-                f"expected {list(shape)} from the config"
-            )
-
-
-class _Checkpoint:
-    """The files of an official checkpoint directory: configs parsed, weights indexed (their
-    data is read on demand)."""
-
-    def __init__(self, hf_dir: Path) -> None:
-        if not hf_dir.is_dir():
-            raise ModelFileError(f"{hf_dir}: not a checkpoint directory")
-        self.dir = hf_dir
-        self.config = _Json(hf_dir / "config.json")
-        self.talker = self.config.section("talker_config")
-        self.code_predictor = self.talker.section("code_predictor_config")
-        self.generation = _Json(hf_dir / "generation_config.json")
-        self.tokenizer_config = _Json(hf_dir / "tokenizer_config.json")
-        self.codec_config = _Json(hf_dir / "speech_tokenizer" / "config.json")
-        self.decoder = self.codec_config.section("decoder_config")
-        self.kind = self.config["tts_model_type"]
-        if self.kind not in ("custom_voice", "base", "voice_design"):
-            raise ModelFileError(f"{self.config.path}: unknown tts_model_type {self.kind!r}")
-        self.weights = _SafeTensors(hf_dir / "model.safetensors")
-        self.codec = _SafeTensors(hf_dir / "speech_tokenizer" / "model.safetensors")
-
-    @cached_property
-    def encoder(self) -> _Json:
-        """speech_tokenizer/config.json `encoder_config` (Mimi): read for Base models only."""
-        return self.codec_config.section("encoder_config")
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """Which checkpoint this is, written into both files so that a talker and an mmproj of
-        different checkpoints are refused together (any types of one checkpoint pair up): a
-        hash of the configs and of the first and last MiB of each weights file."""
-        h = hashlib.sha256()
-        for path in (self.config.path, self.codec_config.path, self.weights.path, self.codec.path):
-            with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(0)
-                h.update(f.read(_FINGERPRINT_BYTES))
-                f.seek(max(0, size - _FINGERPRINT_BYTES))
-                h.update(f.read(_FINGERPRINT_BYTES) + size.to_bytes(8, "little"))
-        return h.hexdigest()[:32]
-
-
-# ------------------------------------------------------------------------------------------------
 # Tensors
 # ------------------------------------------------------------------------------------------------
 
@@ -365,28 +209,28 @@ class _Tensor:
     f16: bool = False  # F16 whatever the type (the codec decoder's matrices, `DECODER_TYPES`)
 
 
-def _copy(st: _SafeTensors, src: str, dst: str, no_f16: bool = False) -> _Tensor:
+def _copy(st: SafeTensors, src: str, dst: str, no_f16: bool = False) -> _Tensor:
     return _Tensor(dst, st.shape(src), lambda: [st.read(src)], no_f16=no_f16)
 
 
-def _pair(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
+def _pair(st: SafeTensors, src: str, dst: str) -> list[_Tensor]:
     """A `.weight` / `.bias` pair."""
     return [_copy(st, f"{src}.{s}", f"{dst}.{s}") for s in ("weight", "bias")]
 
 
-def _squeezed(st: _SafeTensors, src: str, dst: str) -> _Tensor:
+def _squeezed(st: SafeTensors, src: str, dst: str) -> _Tensor:
     """A k=1 convolution kernel [out, in, 1] stored as a matrix [out, in]."""
     return _Tensor(dst, st.shape(src)[:-1], lambda: [st.read(src)[..., 0]])
 
 
-def _stacked(st: _SafeTensors, srcs: list[str], dst: str) -> _Tensor:
+def _stacked(st: SafeTensors, srcs: list[str], dst: str) -> _Tensor:
     shape = st.shape(srcs[0])
     for src in srcs:
         st.expect(src, shape)
     return _Tensor(dst, (len(srcs), *shape), lambda: (st.read(src) for src in srcs))
 
 
-def _snake(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
+def _snake(st: SafeTensors, src: str, dst: str) -> list[_Tensor]:
     """SnakeBeta with its exp()/reciprocal folded in: alpha = exp(a), beta = 1 / (exp(b) + 1e-9)."""
     a, b = f"{src}.alpha", f"{src}.beta"
     return [
@@ -395,14 +239,14 @@ def _snake(st: _SafeTensors, src: str, dst: str) -> list[_Tensor]:
     ]
 
 
-def _codebooks(st: _SafeTensors, src: str, n: int, dst: str) -> _Tensor:
+def _codebooks(st: SafeTensors, src: str, n: int, dst: str) -> _Tensor:
     """The EMA codebooks of an RVQ: embedding_sum / clamp(cluster_usage, 1e-5); 2D when n == 1."""
     prefixes = [f"{src}.vq.layers.{i}._codebook" for i in range(n)]
     return _ema_codebooks(st, prefixes, "embedding_sum", 1e-5, dst, stack=n > 1)
 
 
 def _ema_codebooks(
-    st: _SafeTensors, prefixes: list[str], sum_name: str, eps: float, dst: str, stack: bool = True
+    st: SafeTensors, prefixes: list[str], sum_name: str, eps: float, dst: str, stack: bool = True
 ) -> _Tensor:
     """Codebooks kept as EMA sums, divided as the official modules do at load: `<prefix>.<sum_name>`
     / clamp(`<prefix>.cluster_usage`, eps); [n, size, dim], or [size, dim] when not `stack`."""
@@ -419,7 +263,7 @@ def _ema_codebooks(
     return _Tensor(dst, (len(prefixes), *shape) if stack else shape, chunks)
 
 
-def _token_embd(ckpt: _Checkpoint) -> _Tensor:
+def _token_embd(ckpt: Checkpoint) -> _Tensor:
     """[T(id) for every text id | codec_embedding], T = fc2(silu(fc1(text_embedding) + b1)) + b2,
     folded in float32 by blocks of rows."""
     st, t = ckpt.weights, ckpt.talker
@@ -448,7 +292,7 @@ def _token_embd(ckpt: _Checkpoint) -> _Tensor:
     return _Tensor(L.TALKER_TOKEN_EMBD, (n_text + t["vocab_size"], hidden), chunks)
 
 
-def _talker_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+def _talker_tensors(ckpt: Checkpoint) -> list[_Tensor]:
     st = ckpt.weights
     st.expect("talker.codec_head.weight", (ckpt.talker["vocab_size"], ckpt.talker["hidden_size"]))
     tensors = [
@@ -464,7 +308,7 @@ def _talker_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     return tensors
 
 
-def _code_predictor_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+def _code_predictor_tensors(ckpt: Checkpoint) -> list[_Tensor]:
     st, cp = ckpt.weights, "talker.code_predictor."
     groups = range(ckpt.code_predictor["num_code_groups"] - 1)
     tensors = [
@@ -487,7 +331,7 @@ def _code_predictor_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     return tensors
 
 
-def _codec_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+def _codec_tensors(ckpt: Checkpoint) -> list[_Tensor]:
     st, dec, q = ckpt.codec, ckpt.decoder, "decoder.quantizer."
     tensors = [
         _squeezed(st, q + "rvq_first.input_proj.weight", L.WAV_QUANT_FIRST_IN),
@@ -539,7 +383,7 @@ def _codec_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     return tensors
 
 
-def _codec_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+def _codec_encoder_tensors(ckpt: Checkpoint) -> list[_Tensor]:
     """The Mimi encoder (`encoder.*`) as transformers' MimiModel builds it from encoder_config:
     SEANet convs, the transformer, the downsample conv, and the codebooks the official encode
     keeps (the first `encoder_valid_num_quantizers`: semantic, then acoustic)."""
@@ -598,7 +442,7 @@ def _codec_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
     return tensors
 
 
-def _speaker_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
+def _speaker_encoder_tensors(ckpt: Checkpoint) -> list[_Tensor]:
     st, se = ckpt.weights, "speaker_encoder."
     tensors = _pair(st, se + "blocks.0.conv", L.SPK_STEM)
     for bid in range(1, _SPK_BLOCKS + 1):
@@ -627,14 +471,14 @@ def _speaker_encoder_tensors(ckpt: _Checkpoint) -> list[_Tensor]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _text_tokens(ckpt: _Checkpoint) -> tuple[list[str], list[int]]:
+def _text_tokens(ckpt: Checkpoint) -> tuple[list[str], list[int]]:
     """The Qwen2 vocabulary as llama.cpp writes it: vocab.json tokens NORMAL, added tokens CONTROL
     when special or `<|...|>`-shaped, else USER_DEFINED, missing ids `[PADn]` UNUSED."""
     n = ckpt.talker["text_vocab_size"]
     tokens: list[str | None] = [None] * n
     types = [TokenType.UNUSED] * n
     vocab_path = ckpt.dir / "vocab.json"
-    vocab = _read_json(vocab_path)
+    vocab = read_json(vocab_path)
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
         raise ModelFileError(f"{vocab_path}: not a mapping of tokens to ids")
     entries = [(i, tok, TokenType.NORMAL) for tok, i in vocab.items()]
@@ -652,7 +496,7 @@ def _text_tokens(ckpt: _Checkpoint) -> tuple[list[str], list[int]]:
     return [f"[PAD{i}]" if tok is None else tok for i, tok in enumerate(tokens)], [int(t) for t in types]
 
 
-def _merges(ckpt: _Checkpoint) -> list[str]:
+def _merges(ckpt: Checkpoint) -> list[str]:
     path = ckpt.dir / "merges.txt"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -665,7 +509,7 @@ def _merges(ckpt: _Checkpoint) -> list[str]:
     return [" ".join(parts) for parts in (line.split() for line in lines) if len(parts) == 2]
 
 
-def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
+def _codec_tokens(ckpt: Checkpoint) -> list[str]:
     """`<|codec_N|>`, renamed from every talker_config `*_id` key exactly as llama.cpp's
     `_codec_token_names()`: `codec_bos_id` -> `<|codec_bos|>`, `spk_id.ryan` -> `<|spk_ryan|>`."""
     n = ckpt.talker["vocab_size"]
@@ -693,7 +537,7 @@ def _codec_tokens(ckpt: _Checkpoint) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _talker_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
+def _talker_file(ckpt: Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
     """The talker's metadata in a writer, and its tensors."""
     t = ckpt.talker
     tensors = _talker_tensors(ckpt)
@@ -739,7 +583,7 @@ def _talker_file(ckpt: _Checkpoint, out_type: str) -> tuple[gguf.GGUFWriter, lis
     return w, tensors
 
 
-def _mmproj_file(ckpt: _Checkpoint, out_type: str, decoder: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
+def _mmproj_file(ckpt: Checkpoint, out_type: str, decoder: str) -> tuple[gguf.GGUFWriter, list[_Tensor]]:
     """The mmproj's metadata in a writer, and its tensors."""
     cp, dec = ckpt.code_predictor, ckpt.decoder
     has_spkenc = ckpt.kind == "base"
@@ -789,7 +633,7 @@ def _mmproj_file(ckpt: _Checkpoint, out_type: str, decoder: str) -> tuple[gguf.G
     return w, tensors
 
 
-def _add_codec_encoder_keys(w: gguf.GGUFWriter, ckpt: _Checkpoint) -> None:
+def _add_codec_encoder_keys(w: gguf.GGUFWriter, ckpt: Checkpoint) -> None:
     """What the codec encoder needs beside its tensor shapes (`kazeia.codec_encoder.*`)."""
     enc = ckpt.encoder
     for key, typ in L.CODEC_ENCODER_KEYS.items():
@@ -802,7 +646,7 @@ def _add_codec_encoder_keys(w: gguf.GGUFWriter, ckpt: _Checkpoint) -> None:
 
 
 def _add_general(
-    w: gguf.GGUFWriter, ckpt: _Checkpoint, file_kind: str, out_type: str, tensors: list[_Tensor]
+    w: gguf.GGUFWriter, ckpt: Checkpoint, file_kind: str, out_type: str, tensors: list[_Tensor]
 ) -> None:
     """general.* as llama.cpp writes them: name, basename, size label... from the directory name
     and model card, sampling defaults from generation_config.json, file type."""
