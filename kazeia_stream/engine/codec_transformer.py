@@ -37,7 +37,7 @@ class TransformerLayer:
 
     def __init__(self, f: GGUFFile, bid: int, head_dim: int, eps: float) -> None:
         t = lambda name: f.read(name.format(bid=bid))
-        m = lambda name: f.weight(name.format(bid=bid))  # weights in place: see `read_kernel`
+        m = lambda name: f.weight(name.format(bid=bid))  # weights in place: see `codec_layers.read_kernel`
         joined = lambda *names: f.joined([name.format(bid=bid) for name in names])
         self.head_dim, self.eps = head_dim, eps
         self.n_heads = f.tensor_shape(L.WAV_TFM_ATTN_Q.format(bid=bid))[0] // head_dim
