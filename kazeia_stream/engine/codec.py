@@ -135,10 +135,6 @@ class Quantizer:
         return y
 
 
-# ---------------------------------------------------------------------------------------------
-# The decoder
-# ---------------------------------------------------------------------------------------------
-
 UpsampleState = tuple[np.ndarray, ContextBuffer]  # a transposed conv's tail, a ConvNeXt's context
 BlockState = tuple[np.ndarray, list[tuple[ContextBuffer, ContextBuffer]]]
 JointState = tuple[ContextBuffer, list[UpsampleState], ContextBuffer, list[BlockState]]
