@@ -79,30 +79,36 @@ def _figures(
     }
 
 
+def _talker_reads(runtime: Runtime) -> list[str]:
+    """The talker's tensors a step reads: all but the text embedding, whose rows we feed."""
+    return [n for n in runtime.model.talker_file.tensor_names if n != L.TALKER_TOKEN_EMBD]
+
+
 def generator_macs(runtime: Runtime) -> dict[str, dict[QType, int]]:
     """The talker's and the code predictor's multiply-adds per frame, by weight type: the
-    talker's matrices once per step (all but the text embedding, whose rows we feed), the code
-    predictor's once per pass and one pass per codebook, the first pass two rows."""
+    talker's matrices once per step (`_talker_reads`), the code predictor's once per pass and
+    one pass per codebook, the first pass two rows."""
     f = runtime.model.talker_file
-    names = [n for n in f.tensor_names if n != L.TALKER_TOKEN_EMBD]
     cp = runtime.code_predictor
     return {
-        "talker": matrix_macs((f.tensor_type(n), f.tensor_shape(n)) for n in names),
+        "talker": matrix_macs((f.tensor_type(n), f.tensor_shape(n)) for n in _talker_reads(runtime)),
         "code_predictor": {qtype: (cp.n_groups + 1) * macs for qtype, macs in cp.macs_per_pass.items()},
     }
 
 
 def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
-    """Bytes of weights read and multiply-adds per frame, per stage. The talker reads every
-    tensor but the text embedding (we feed its rows) once per step; the code predictor its
+    """Bytes of weights read and multiply-adds per frame, per stage. The talker reads its tensors
+    once per step (`_talker_reads`); the code predictor its
     layers and one head per pass, one pass per codebook after the first (the first pass has
     two rows); the decoder every weight of its matrix products once per push of a frame."""
     f = runtime.model.talker_file
-    names = [n for n in f.tensor_names if n != L.TALKER_TOKEN_EMBD]
     cp = runtime.code_predictor
     macs = generator_macs(runtime)
     return {
-        "talker": {"bytes": sum(f.span(n)[1] for n in names), "macs": sum(macs["talker"].values())},
+        "talker": {
+            "bytes": sum(f.span(n)[1] for n in _talker_reads(runtime)),
+            "macs": sum(macs["talker"].values()),
+        },
         "code_predictor": {
             "bytes": cp.n_groups * cp.bytes_per_pass,
             "macs": sum(macs["code_predictor"].values()),
