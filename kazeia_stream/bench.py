@@ -165,7 +165,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     floor_rtf = floor / frame_ms
     ms = measured["ms_per_frame"]
     macs = generator_macs(runtime)
-    rates = {qtype: product_rate.macs_per_s(qtype, threads) for stage in macs.values() for qtype in stage}
+    rates = product_rate.rates({qtype for stage in macs.values() for qtype in stage}, threads)
     return {
         "cost_per_frame": cost,
         "read_gb_s": {str(n): _digits(v) for n, v in bandwidth.items()},

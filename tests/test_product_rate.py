@@ -4,13 +4,15 @@ weight in the caches (`engine/product_rate.py`)."""
 from __future__ import annotations
 
 import math
+import os
+import threading
 
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from kazeia_stream.engine import q8_product
-from kazeia_stream.engine.product_rate import WEIGHT_BYTES, macs_per_s, side
+from kazeia_stream.engine.product_rate import WEIGHT_BYTES, macs_per_s, rates, side
 
 TYPES = (QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.F16, QType.F32)
 
@@ -29,3 +31,23 @@ def test_a_rate_is_timed_on_the_product_the_engines_use(qtype):
         pytest.skip("our Q8_0 kernel does not run here")
     rate = macs_per_s(qtype, 1, repeat=2)
     assert math.isfinite(rate) and rate > 1e8  # any CPU multiplies faster than 0.1 G a second
+
+
+def test_rates_are_measured_in_a_child_that_leaves_no_threads_behind_in_ours():
+    """A graph on two threads from a thread of ours would leave libgomp's pool of that thread
+    behind it (one more OS thread here), beside the generator's pool in a benchmark."""
+    tasks = lambda: len(os.listdir("/proc/self/task"))
+    seen = {}
+
+    def measure():
+        before = tasks()
+        seen["rates"] = rates([QType.F32, QType.F16, QType.F32], 2)
+        seen["threads"] = (before, tasks())
+
+    worker = threading.Thread(target=measure)
+    worker.start()
+    worker.join()
+    assert list(seen["rates"]) == [QType.F32, QType.F16]
+    assert all(math.isfinite(r) and r > 1e8 for r in seen["rates"].values())
+    before, after = seen["threads"]
+    assert after == before

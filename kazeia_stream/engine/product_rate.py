@@ -5,12 +5,24 @@ A frame reads each weight once for one row of input, so it is bound by the memor
 product's arithmetic, whichever is slower: on an AMD Zen 1 (AVX2 on 128-bit units, no VNNI)
 our Q8_0 kernel on one thread ran 2.82-2.93 ns per 32 multiply-adds from the L2 against
 3.08-3.27 from memory, and a Q4_K_M talker, 0.36 GB a step against Q8_0's 0.65, took as long
-(51 against 48 ms): its products are bound by the same int8 multiplies."""
+(51 against 48 ms): its products are bound by the same int8 multiplies.
+
+Measured in a process of its own (`rates`): a graph run on several threads from another thread
+of the benchmark's process starts a second pool of libgomp's threads beside the generator's,
+which then outnumber the cores and sleep at every barrier (see `threads.py`). On 2 cores of an
+Intel Xeon with AMX, the pipeline's code predictor took 81-102 ms a frame after the rates had
+been measured in its process, against 51-56 ms before and without them.
+
+    python -m kazeia_stream.engine.product_rate THREADS QTYPE [QTYPE ...]   # one rate a line
+"""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
+from collections.abc import Iterable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -57,3 +69,20 @@ def macs_per_s(qtype: QType, threads: int, repeat: int = 5) -> float:
         g.close()
         allocator.close()
         weight.close()
+
+
+def rates(qtypes: Iterable[QType], threads: int) -> dict[QType, float]:
+    """`macs_per_s` of each type on `threads` threads, in a child process (one for all)."""
+    qtypes = sorted(set(qtypes))
+    out = subprocess.run(
+        [sys.executable, "-m", __name__, str(threads), *(q.name for q in qtypes)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(zip(qtypes, map(float, out.split())))
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:]:
+        print(macs_per_s(QType[name], int(sys.argv[1])), flush=True)
