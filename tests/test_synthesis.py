@@ -145,7 +145,10 @@ def test_bench_json_has_exactly_the_documented_keys(tiny_gguf):
         assert set(result[key]) == stages
     assert result["frames"] == 6 and result["audio_s"] == pytest.approx(6 * 0.08)
     assert 0 < result["ttfa_s"] < result["wall_s"]
-    assert result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"], rel=0.01)
+    # wall_s is rounded to the millisecond and rtf to three decimals: a tiny model's 6 frames
+    # take under 50 ms on a fast CPU, where 1% of the ratio is less than their rounding
+    rounding = 0.0005 + 0.0005 / result["audio_s"]
+    assert abs(result["rtf"] - result["wall_s"] / result["audio_s"]) <= rounding
     assert all(c["bytes"] > 0 and c["macs"] > 0 for c in result["cost_per_frame"].values())
     assert set(result["read_gb_s"]) == {"1", str(available_cores())} and min(result["read_gb_s"].values()) > 0
     assert result["decoder_products_in_order_ms"] > 0
