@@ -670,6 +670,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kazeia-stream: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        _exiting()
+
+
+def _exiting() -> None:
+    """The command is done and the process only exits from here: a Ctrl-C or a SIGTERM that
+    comes while the interpreter waits for threads to end (a server's workers finishing their
+    frame) is ignored. It raised KeyboardInterrupt in that wait and printed a traceback after
+    the Wyoming server's "stopped" (a second SIGINT, once in a clean-clone CI)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

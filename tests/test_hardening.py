@@ -284,3 +284,25 @@ def test_a_folder_that_cannot_be_written_is_one_line(model, tmp_path):
         folder.chmod(0o755)
     assert rc == 1 and one_line(err, "cannot be written"), err
     assert os.listdir(folder) == []
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_process_exits_is_ignored(tmp_path, sig):
+    """Once the command is done, the interpreter waits for threads that are still finishing (a
+    server's workers): a signal then changes nothing (it printed a KeyboardInterrupt traceback
+    after a Wyoming server had stopped)."""
+    script = (
+        "import sys, threading, time\n"
+        "from kazeia_stream.cli import main\n"
+        "threading.Thread(target=time.sleep, args=(3,)).start()  # the exit waits for it\n"
+        f"sys.exit(main(['convert', {str(tmp_path / 'none')!r}, {str(tmp_path / 'out')!r}]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()  # the command's error: main has returned
+    assert line.startswith("kazeia-stream: error: ") and "not a checkpoint directory" in line, line
+    time.sleep(0.2)
+    proc.send_signal(sig)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == 1 and rest == "", rest
