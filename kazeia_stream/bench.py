@@ -96,14 +96,15 @@ def generator_macs(runtime: Runtime) -> dict[str, dict[QType, int]]:
     }
 
 
-def costs(runtime: Runtime) -> dict[str, dict[str, int]]:
+def costs(runtime: Runtime, macs: dict[str, dict[QType, int]] | None = None) -> dict[str, dict[str, int]]:
     """Bytes of weights read and multiply-adds per frame, per stage. The talker reads its tensors
     once per step (`_talker_reads`); the code predictor its
     layers and one head per pass, one pass per codebook after the first (the first pass has
-    two rows); the decoder every weight of its matrix products once per push of a frame."""
+    two rows); the decoder every weight of its matrix products once per push of a frame.
+    `macs`: `generator_macs(runtime)`, where the caller has it already."""
     f = runtime.model.talker_file
     cp = runtime.code_predictor
-    macs = generator_macs(runtime)
+    macs = macs or generator_macs(runtime)
     return {
         "talker": {
             "bytes": sum(f.span(n)[1] for n in _talker_reads(runtime)),
@@ -149,7 +150,8 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     its weight in the caches, `macs_g_per_s`, on the same threads). Reported beside the first,
     not in it: where it is the higher (Zen 1's int8 multiplies at one thread), the bandwidth's
     floor is the lower bound the ratios keep, as they always have."""
-    cost = costs(runtime)
+    macs = generator_macs(runtime)
+    cost = costs(runtime, macs)
     threads = runtime.threads.talker
     with runtime.cores.lend(runtime.threads.decoder):
         beside = runtime.cores.threads(threads)  # the generator's threads beside the decoder
@@ -164,7 +166,6 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     floor = pipeline_floor_ms(generator_bytes, floor_ms["decoder"], bandwidth[beside], bandwidth[threads])
     floor_rtf = floor / frame_ms
     ms = measured["ms_per_frame"]
-    macs = generator_macs(runtime)
     rates = product_rate.rates({qtype for stage in macs.values() for qtype in stage}, threads)
     return {
         "cost_per_frame": cost,

@@ -254,8 +254,8 @@ class WyomingServer:
             self._executor.shutdown(wait=False, cancel_futures=True)
             for sig, handler in previous.items():
                 loop.remove_signal_handler(sig)
-                if handler is not None:  # stopped by a signal, a second one is ignored, as while stopping
-                    signal.signal(sig, signal.SIG_IGN if stop.is_set() else handler)
+                if handler is not None:
+                    signal.signal(sig, handler)
 
 
 def _on_signal(sig: int, stop: asyncio.Event) -> None:
