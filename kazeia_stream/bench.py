@@ -277,26 +277,32 @@ def run_bench(
 
 
 def _utterance(runtime: Runtime, frames: int, voice: VoiceArg, seed: int) -> dict[str, Any]:
-    """One utterance of `frames` frames, its decoder pushed a frame at a time: its figures."""
+    """One utterance of `frames` frames, each generated in the generator's thread, where the
+    session's fixed rows are computed too (`Runtime.prepare`), then its decoder pushed a frame:
+    its figures. Generated in this thread, the frames ran graphs on several threads beside a
+    second pool of libgomp's threads whenever those rows were computed rather than read from
+    the cache: the talker took 37-40 ms a frame instead of 27-28, the code predictor 89-105
+    instead of 54-59 (see `engine/threads.py`)."""
     model = runtime.model
     voice = voice or model.default_voice
     runtime.prepare(runtime.probe(voice, "auto", None), voice)  # as a session does
     t_start = time.perf_counter()
     prompt = model.prompt(BENCH_TEXT, voice=voice, text_streaming=True)
     options = GenerationOptions(seed=seed, max_frames=frames, ignore_eos=True)
-    state = runtime.frames.start(prompt, model.text_feed(prompt), options, np.random.default_rng(seed))
+    generator = runtime.generator
+    state = generator.start(prompt, model.text_feed(prompt), options, np.random.default_rng(seed))
     decoder = runtime.decoder_state(voice)
     ttfa = decoder_s = 0.0
     samples = 0
     try:
-        while (codes := runtime.frames.next_frame(state)) is not None:
+        while (codes := generator.next_frame_later(state).wait()) is not None:
             t0 = time.perf_counter()
             samples += len(runtime.codec.push(decoder, codes[None]))
             decoder_s += time.perf_counter() - t0
             if not ttfa:
                 ttfa = time.perf_counter() - t_start
     finally:
-        runtime.frames.finish(state)
+        generator.finish(state)
     wall = time.perf_counter() - t_start
     t = state.times
     return _figures(

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -270,6 +271,32 @@ def test_each_bench_run_is_compared_with_a_floor_measured_right_after_it(tiny_ru
     floor_at = [i + 1 for i, e in enumerate(events) if e == "floor"]
     assert [r["x_floor"]["rtf"] for r in results] == [10.0 * n for n in floor_at]
     assert median(results)["x_floor"]["rtf"] == 10.0 * floor_at[1]
+
+
+@pytest.mark.skipif(kazeia_stream.Threads.default().cores < 2, reason="graphs on several threads: needs 2")
+def test_the_stage_bench_runs_its_graphs_of_several_threads_in_one_thread(tiny_gguf, monkeypatch):
+    """A runtime computes a session's fixed rows in the generator's thread; a bench that
+    generated its frames in another would run graphs on several threads from two OS threads,
+    and libgomp keeps a pool for each: its threads then outnumber the cores."""
+    from kazeia_stream import Runtime, bench, load_model
+    from kazeia_stream.engine.ggml_graph import Graph
+
+    monkeypatch.setenv("KAZEIA_CACHE", "0")  # the fixed rows computed, not read from a file
+    several = set()  # the OS threads that ran a graph on several threads
+    compute = Graph.compute
+
+    def counted(graph: Graph, n: int) -> None:
+        if n > 1:
+            several.add(threading.get_native_id())
+        compute(graph, n)
+
+    monkeypatch.setattr(Graph, "compute", counted)
+    monkeypatch.setattr(bench, "floors", lambda runtime, measured: {})
+    runtime = Runtime(load_model(tiny_gguf("custom_voice")[0]))
+    monkeypatch.setattr(runtime.cores, "taken", lambda: 0)  # whatever else the machine runs
+    (figures,) = bench.run_bench(runtime, 2)
+    assert figures["frames"] == 2
+    assert len(several) == 1
 
 
 def test_the_read_bandwidth_is_measured_for_each_thread_count_asked():
