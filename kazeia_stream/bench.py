@@ -295,13 +295,17 @@ def _utterance(runtime: Runtime, frames: int, voice: VoiceArg, seed: int) -> dic
     ttfa = decoder_s = 0.0
     samples = 0
     try:
-        while (codes := generator.next_frame_later(state).wait()) is not None:
+        while True:
+            asked = generator.next_frame_later(state)
+            if (codes := asked.wait()) is None:
+                break
             t0 = time.perf_counter()
             samples += len(runtime.codec.push(decoder, codes[None]))
             decoder_s += time.perf_counter() - t0
             if not ttfa:
                 ttfa = time.perf_counter() - t_start
     finally:
+        generator.forget(asked)  # a frame asked for and not taken: an interrupted run's
         generator.finish(state)
     wall = time.perf_counter() - t_start
     t = state.times
