@@ -294,18 +294,17 @@ def _utterance(runtime: Runtime, frames: int, voice: VoiceArg, seed: int) -> dic
     decoder = runtime.decoder_state(voice)
     ttfa = decoder_s = 0.0
     samples = 0
+    asked = generator.next_frame_later(state)
     try:
-        while True:
-            asked = generator.next_frame_later(state)
-            if (codes := asked.wait()) is None:
-                break
+        while (codes := asked.wait()) is not None:
             t0 = time.perf_counter()
             samples += len(runtime.codec.push(decoder, codes[None]))
             decoder_s += time.perf_counter() - t0
             if not ttfa:
                 ttfa = time.perf_counter() - t_start
+            asked = generator.next_frame_later(state)  # once decoded: the stages one after another
     finally:
-        generator.forget(asked)  # a frame asked for and not taken: an interrupted run's
+        generator.forget(asked)  # an interrupted run leaves no frame asked for
         generator.finish(state)
     wall = time.perf_counter() - t_start
     t = state.times
