@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
 
 import kazeia_stream
 from kazeia_stream.engine.talker import Talker, TalkerState
@@ -173,3 +174,47 @@ def test_graphs_placed_before_a_larger_one_are_built_again(model):
     assert talker.lm._allocator.size > size
     again = steps_of(talker)  # the same shapes as before
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("kv_f32", [True, False], ids=["f32-cache", "f16-cache"])
+def test_steps_attend_in_one_operation_to_the_numbers_of_ggmls_operations(model, monkeypatch, kv_f32):
+    """Parts of one row each (steps) attend in one operation (`kv_product.attend`): several
+    streams' steps, one past its first V block, and two parts of one slot in one call (the
+    second reads what the first writes) give the hidden states, logits and KV cells of the
+    graph of ggml's operations (norms, RoPE, cache writes, products, softmax), to rounding
+    (a float16 cell to one unit in its last place)."""
+    from kazeia_stream.engine import kv_product
+    from kazeia_stream.engine.qwen3 import Qwen3LM
+
+    cfg = model.config.talker
+    if not kv_product.attends(QType.F32, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim):
+        pytest.skip("the kernel is not built, or this CPU lacks AVX2")
+    weights = Talker(model.talker_file, cfg, 1).weights  # float32: no rounding of its own
+
+    def run(one_operation: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if not one_operation:
+            monkeypatch.setattr(kv_product, "attends", lambda *_: False)
+        lm = Qwen3LM(weights, cfg, input_width=cfg.hidden_size, slots=3, n_ctx=512, kv_f32=kv_f32, threads=2)
+        lm.forward_many([(0, rows(model, 5), 0), (1, rows(model, 270, 1), 0)])  # past a V block
+        outs = []
+        for i in range(4):
+            step = rows(model, 4, 10 + i)
+            parts = [
+                (0, step[:1], 5 + i),
+                (1, step[1:2], 270 + i),
+                (2, step[2:3], 2 * i),
+                (2, step[3:], 2 * i + 1),
+            ]
+            assert lm._attends(lm._layout(parts, None)) == one_operation
+            outs += lm.forward_many(parts)
+        cells = [c.astype(np.float64) for slot, n in ((0, 9), (1, 274), (2, 8)) for c in lm.cells(slot, n)]
+        monkeypatch.undo()
+        lm.close()
+        return outs, cells
+
+    ours, ggmls = run(True), run(False)
+    for a, b in zip(ours[0], ggmls[0]):
+        assert np.abs(a - b).max() <= (1e-5 if kv_f32 else 1e-3) * np.abs(b).max()
+    for a, b in zip(ours[1], ggmls[1]):  # float16: one unit in the last place of the larger
+        last_place = 0.0 if kv_f32 else 2**-10 * np.maximum(np.abs(a), np.abs(b))
+        assert np.all(np.abs(a - b) <= last_place + 1e-6 * np.abs(b).max())

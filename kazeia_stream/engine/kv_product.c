@@ -122,3 +122,208 @@ AVX2 void kz_kv_product_avx2(struct tensor *dst, int ith, int nth, void *userdat
     default: run(a, b, dst, r0, r1, 1, 8); break;
     }
 }
+
+/* ---- A step's whole attention in one operation (`attend`, kv_product.py) ----
+
+   For parts of one query row each (a talker step of each stream, a code predictor step), what
+   a layer does between its q/k/v products and its o product: the q and k heads RMS-normed and
+   rotated (NeoX RoPE, as ggml computes both), k and v written into the caches at the part's
+   position (K a row per position, V transposed in blocks), then each query head's scores over
+   the positions up to its own, their softmax and the values they weight. In ggml that is nine
+   operations a layer, each ended by a barrier where the other thread waits, for a few
+   microseconds of work: a code predictor step's 5 layers spent 35 us a layer there on the Xeon
+   with AMX, its products 565. Here a thread takes whole KV heads (a part's writes and reads of a
+   head are then one thread's, in the parts' order: a later part of a slot reads what an earlier
+   one wrote). The products over the cache are `dots`' (each element summed in the order
+   `kz_kv_product_avx2` sums it); the softmax's exponentials are our own, within a few units in
+   the last place of ggml's. */
+
+#include <math.h>
+#include <string.h>
+
+/* The operation's userdata: RMS norms' epsilon, RoPE's base, the scores' scale, positions per V
+   block and each part's KV slot. */
+struct attend {
+    float eps, theta, scale;
+    int32_t unused;
+    int64_t v_block, parts;
+    int64_t slots[];
+};
+
+/* x [n] RMS-normed and times w, into y: ggml's rms_norm and mul (a double sum of float squares). */
+static void normed(const float *x, const float *w, int64_t n, float eps, float *y) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    const float mean = (float)(sum / (double)n), scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale * w[i];
+}
+
+/* cos and sin of each rotated pair's angle at position pos (ggml's rope cache: the angle
+   multiplied by theta_scale from one pair to the next, in float). */
+static void angles(int32_t pos, int64_t pairs, float theta_scale, float *cs, float *sn) {
+    float theta = (float)pos;
+    for (int64_t i = 0; i < pairs; i++) {
+        cs[i] = cosf(theta);
+        sn[i] = sinf(theta);
+        theta *= theta_scale;
+    }
+}
+
+/* x [2 pairs] rotated in place, NeoX's pairs (i, i + pairs). */
+static void rotated(float *x, int64_t pairs, const float *cs, const float *sn) {
+    for (int64_t i = 0; i < pairs; i++) {
+        const float x0 = x[i], x1 = x[i + pairs];
+        x[i] = x0 * cs[i] - x1 * sn[i];
+        x[i + pairs] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
+/* e^x for x <= 0 (0 below float's range): 2^n e^r, r = x - n ln 2 in two parts, e^r to degree 6. */
+AVX2 INLINE __m256 exp8(__m256 x) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+
+/* p[0..n) = the softmax of scale s[0..n) (n > 0); p may be s. */
+AVX2 static void softmax(const float *s, int64_t n, float scale, float *p) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < n; t++) top = fmaxf(top, s[t] * scale);
+    double sum = 0.0;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 x = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(scale)), _mm256_set1_ps(top));
+        _mm256_storeu_ps(p + t, exp8(x));
+    }
+    if (t < n) {
+        float last[8] = {0}, out[8];
+        for (int64_t i = t; i < n; i++) last[i - t] = s[i] * scale - top;
+        for (int64_t i = n - t; i < 8; i++) last[i] = -INFINITY;
+        _mm256_storeu_ps(out, exp8(_mm256_loadu_ps(last)));
+        for (int64_t i = t; i < n; i++) p[i] = out[i - t];
+    }
+    for (t = 0; t < n; t++) sum += (double)p[t];
+    const float inv = (float)(1.0 / sum);
+    for (t = 0; t < n; t++) p[t] *= inv;
+}
+
+/* out[c * n + t] = row t . b[c] over k (c < N, t < n), the rows at base + t * stride, R at a
+   time (R N <= OUTS, constants), AHEAD rows prefetched. */
+AVX2 INLINE void over_rows(const char *base, int64_t stride, int64_t n, int f16, int64_t k, const float *const *b,
+                           float *out, const int R, const int N) {
+    const int64_t bytes = k * (f16 ? 2 : 4);
+    for (int64_t t = 0; t < n && t < AHEAD; t++)
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(base + t * stride + l, _MM_HINT_T0);
+    for (int64_t t = 0; t < n;) {
+        const int count = n - t >= R ? R : 1;
+        const char *rows[OUTS];
+        for (int j = 0; j < count; j++) {
+            rows[j] = base + (t + j) * stride;
+            if (t + j + AHEAD < n)
+                for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(rows[j] + AHEAD * stride + l, _MM_HINT_T0);
+        }
+        float sums[OUTS];
+        if (count == R)
+            dots(rows, f16, k, b, sums, R, N);
+        else
+            dots(rows, f16, k, b, sums, 1, N);
+        for (int j = 0; j < count; j++, t++)
+            for (int c = 0; c < N; c++) out[c * n + t] = sums[N * j + c];
+    }
+}
+
+/* over_rows for N = group (1 <= group <= OUTS), R as kz_kv_product_avx2 takes it. */
+AVX2 static void over_rows_of(const char *base, int64_t stride, int64_t n, int f16, int64_t k, const float *const *b,
+                              float *out, int64_t group) {
+    switch (group) {
+    case 1: over_rows(base, stride, n, f16, k, b, out, 8, 1); break;
+    case 2: over_rows(base, stride, n, f16, k, b, out, 4, 2); break;
+    case 3: over_rows(base, stride, n, f16, k, b, out, 2, 3); break;
+    case 4: over_rows(base, stride, n, f16, k, b, out, 2, 4); break;
+    case 5: over_rows(base, stride, n, f16, k, b, out, 1, 5); break;
+    case 6: over_rows(base, stride, n, f16, k, b, out, 1, 6); break;
+    case 7: over_rows(base, stride, n, f16, k, b, out, 1, 7); break;
+    default: over_rows(base, stride, n, f16, k, b, out, 1, 8); break;
+    }
+}
+
+/* x[0..n) stored as the cache's numbers (float16 rounded to nearest, as ggml's set_rows), each
+   `step` bytes after the last. */
+AVX2 static void store(const float *x, int64_t n, int f16, char *at, size_t step) {
+    for (int64_t i = 0; i < n; i++, at += step) {
+        if (f16)
+            *(uint16_t *)at = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+        else
+            *(float *)at = x[i];
+    }
+}
+
+/* The operation (ggml_custom_op_t): src q [hd heads, P], k and v [hd kvh, P] (float32, a part a
+   column), q_norm and k_norm [hd], positions (int32 [P]), the K cache [kv channels, n_ctx,
+   slots] and the V cache [v_block, kv channels, blocks, slots] (float16 or float32); dst [hd
+   heads, P]. Thread ith of nth takes KV heads [ith kvh / nth, (ith + 1) kvh / nth). */
+AVX2 void kz_kv_product_attend_avx2(struct tensor *dst, int ith, int nth, void *userdata) {
+    const struct attend *u = userdata;
+    const struct tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *q_norm = dst->src[3],
+                        *k_norm = dst->src[4], *kc = dst->src[6], *vc = dst->src[7];
+    const int32_t *positions = (const int32_t *)dst->src[5]->data;
+    const int64_t hd = q_norm->ne[0], pairs = hd / 2, kvh = k->ne[0] / hd, group = q->ne[0] / hd / kvh;
+    const int f16 = kc->type == GGML_TYPE_F16;
+    const size_t item = f16 ? 2 : 4;
+    const float theta_scale = powf(u->theta, -2.0f / (float)hd);
+    int64_t most = 1;
+    for (int64_t p = 0; p < u->parts; p++) most = positions[p] + 1 > most ? positions[p] + 1 : most;
+    const int64_t room = (most + 7) / 8 * 8; /* a head's probabilities, zeros after its last */
+    float *work = aligned_alloc(64, (size_t)((group + 1) * hd + 2 * pairs + group * room + hd * group) * 4 + 64);
+    if (work == NULL) abort(); /* as ggml does when memory runs out */
+    float *kk = work, *qq = kk + hd, *cs = qq + group * hd, *sn = cs + pairs, *prob = sn + pairs, *piece = prob + group * room;
+    for (int64_t h = ith * kvh / nth; h < (ith + 1) * kvh / nth; h++) {
+        for (int64_t p = 0; p < u->parts; p++) {
+            const int32_t at = positions[p];
+            const int64_t n = at + 1, slot = u->slots[p];
+            angles(at, pairs, theta_scale, cs, sn);
+            normed((const float *)((const char *)k->data + p * k->nb[1]) + h * hd, k_norm->data, hd, u->eps, kk);
+            rotated(kk, pairs, cs, sn);
+            const char *keys = (const char *)kc->data + slot * kc->nb[2] + h * hd * item;
+            store(kk, hd, f16, (char *)keys + at * kc->nb[1], item);
+            const char *values = (const char *)vc->data + slot * vc->nb[3] + h * hd * vc->nb[1];
+            const float *vv = (const float *)((const char *)v->data + p * v->nb[1]) + h * hd;
+            store(vv, hd, f16, (char *)values + at / u->v_block * vc->nb[2] + at % u->v_block * vc->nb[0], vc->nb[1]);
+            const float *b[OUTS];
+            for (int64_t c = 0; c < group; c++) {
+                float *qc = qq + c * hd;
+                normed((const float *)((const char *)q->data + p * q->nb[1]) + (h * group + c) * hd, q_norm->data, hd,
+                       u->eps, qc);
+                rotated(qc, pairs, cs, sn);
+                b[c] = qc;
+            }
+            over_rows_of(keys, (int64_t)kc->nb[1], n, f16, hd, b, prob, group); /* scores [group, n] */
+            for (int64_t c = group - 1; c >= 0; c--) { /* each head's row moved to its room, zeros after */
+                float *row = prob + c * room;
+                memmove(row, prob + c * n, (size_t)n * 4);
+                for (int64_t t = n; t < room; t++) row[t] = 0.0f;
+                softmax(row, n, u->scale, row);
+            }
+            float *out = (float *)((char *)dst->data + p * dst->nb[1]) + h * group * hd;
+            for (int64_t first = 0; first < n; first += u->v_block) { /* one product per V block, summed */
+                const int64_t in_block = room - first < u->v_block ? room - first : u->v_block;
+                for (int64_t c = 0; c < group; c++) b[c] = prob + c * room + first;
+                over_rows_of(values + first / u->v_block * vc->nb[2], (int64_t)vc->nb[1], hd, f16, in_block, b,
+                             first == 0 ? out : piece, group);
+                if (first > 0)
+                    for (int64_t i = 0; i < group * hd; i++) out[i] += piece[i];
+            }
+        }
+    }
+    free(work);
+}

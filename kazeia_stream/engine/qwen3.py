@@ -6,9 +6,10 @@ a position on. A call's graph depends only on its parts' slots, row counts and a
 and on the head it applies: positions, KV cache rows and masks are inputs written at each call,
 so a stream's steps replay one graph until its span grows past a bucket. The call's rows go
 through each layer together: the row-wise ops once, the attention per part (or, for parts of
-one row in consecutive slots over one span, as one batch over the slots: `_batched`), and each
-product as `_product` allows, so that a row's numbers never depend on the other parts of its
-call (a stream's codes beside others are its solo ones, at every weight type).
+one row in consecutive slots over one span, as one batch over the slots: `_batched`; for parts
+of one row each, steps, as one operation of ours: `_attends`), and each product as `_product`
+allows, so that a row's numbers never depend on the other parts of its call (a stream's codes
+beside others are its solo ones, at every weight type).
 
 The KV cache, per layer and slot, is K as one row per position and V transposed in blocks of
 `V_BLOCK` positions (in a block, each channel's positions contiguous, as the attention's
@@ -134,8 +135,9 @@ class _Call:
     graph: Graph
     x: np.ndarray  # [rows, input width]
     positions: np.ndarray  # [rows] int32, RoPE
-    k_rows: np.ndarray  # [rows] int64: the K cache row of each (the slots' rows end to end)
-    v_cells: np.ndarray  # [rows, kv_dim] int64: the V cache cell of each channel (likewise)
+    # the inputs of the attention's ggml operations (none where a step attends in one, `_attends`):
+    k_rows: np.ndarray | None  # [rows] int64: the K cache row of each (the slots' rows end to end)
+    v_cells: np.ndarray | None  # [rows, kv_dim] int64: the V cache cell of each channel (likewise)
     masks: list[np.ndarray]  # per part [n, span]
     hidden: np.ndarray  # [output parts, hidden]
     logits: np.ndarray  # [output parts, head rows]
@@ -164,7 +166,7 @@ class _Rows:
     n: int
     span: int
     start: int
-    mask: Tensor
+    mask: Tensor | None  # none where the call attends in one operation (`_attends`)
 
 
 class Qwen3LM:
@@ -285,12 +287,13 @@ class Qwen3LM:
         call = self._call((layout, head, together))
         key = (tuple(slots), pos, head_index)
         if key not in call.replays:
-            arrays = {f: np.empty_like(getattr(call, f)) for f in ("x", "positions", "k_rows", "v_cells")}
+            fields = [f for f in ("positions", "k_rows", "v_cells") if getattr(call, f) is not None]
+            arrays = {f: np.empty_like(getattr(call, f)) for f in ("x", *fields)}
             masks = [np.empty_like(m) for m in call.masks]
             index = None if call.head_index is None else np.empty_like(call.head_index)
             shadow = replace(call, **arrays, masks=masks, head_index=index)
             self._write(shadow, rows, head_index)
-            pairs = [(getattr(call, f), arrays[f]) for f in ("positions", "k_rows", "v_cells")]
+            pairs = [(getattr(call, f), arrays[f]) for f in fields]
             pairs += list(zip(call.masks, masks))
             if index is not None:
                 pairs.append((call.head_index, index))
@@ -313,16 +316,20 @@ class Qwen3LM:
     def _write(self, call: _Call, parts: Sequence[Part], head_index: int) -> None:
         """Write a call's inputs for its parts (their rows, positions, cache cells and masks)."""
         start = 0
-        for (slot, rows, pos), mask in zip(parts, call.masks):
+        for i, (slot, rows, pos) in enumerate(parts):
             n = len(rows)
             at = np.arange(pos, pos + n)
             call.x[start : start + n] = rows
             call.positions[start : start + n] = at
-            call.k_rows[start : start + n] = slot * self.n_ctx + at
-            block = slot * self.v_blocks + at // self.v_block
-            cell = block * self.kv_dim * self.v_block + at % self.v_block
-            call.v_cells[start : start + n] = cell[:, None] + self._channels
-            mask[...] = np.where(np.arange(mask.shape[1]) <= at[:, None], np.float32(0), np.float32(-np.inf))
+            if call.k_rows is not None and call.v_cells is not None:
+                call.k_rows[start : start + n] = slot * self.n_ctx + at
+                block = slot * self.v_blocks + at // self.v_block
+                cell = block * self.kv_dim * self.v_block + at % self.v_block
+                call.v_cells[start : start + n] = cell[:, None] + self._channels
+                mask = call.masks[i]
+                mask[...] = np.where(
+                    np.arange(mask.shape[1]) <= at[:, None], np.float32(0), np.float32(-np.inf)
+                )
             start += n
         if call.head_index is not None:
             call.head_index[...] = head_index
@@ -411,14 +418,15 @@ class Qwen3LM:
         g = Graph((cfg.num_layers + 1) * (_NODES_PER_LAYER + per_parts))
         x = g.input(QType.F32, (total, self.input_width))
         positions = g.input(QType.I32, (total,))
-        k_rows = g.input(QType.I64, (total,))
-        v_cells = g.input(QType.I64, (total, self.kv_dim))
+        attends = self._attends(layout)  # else the cells the rows' K and V go to are inputs
+        cells = None if attends else (g.input(QType.I64, (total,)), g.input(QType.I64, (total, self.kv_dim)))
         parts, start = [], 0
-        batched = self._batched(layout)
-        # a batch's parts share one mask input, a part's in each row
+        batched = not attends and self._batched(layout)
+        # a batch's parts share one mask input, a part's in each row; a step attending in one
+        # operation needs none
         shared = g.input(QType.F32, (len(layout), 1, 1, layout[0][2])) if batched else None
         for slot, n, span, _ in layout:
-            mask = shared if shared is not None else g.input(QType.F32, (n, span))
+            mask = None if attends else shared if shared is not None else g.input(QType.F32, (n, span))
             parts.append(_Rows(slot, n, span, start, mask))
             start += n
         columns = [(p.start, p.n) for p in parts]
@@ -426,7 +434,7 @@ class Qwen3LM:
         if "proj" in w.tensors:
             h = g.add(self._product(g, "proj", h, columns, together), w["proj_bias"])
         for bid in range(cfg.num_layers):
-            h = self._layer(g, bid, h, parts, positions, k_rows, v_cells, together, batched)
+            h = self._layer(g, bid, h, parts, positions, cells, together, batched)
         outs = [p for p, (*_, out) in zip(parts, layout) if out]  # their last rows
         row = strides(h)[1]
         last = g.join([g.view(h, (cfg.hidden_size, 1), (row,), (p.start + p.n - 1) * row) for p in outs])
@@ -438,11 +446,11 @@ class Qwen3LM:
             g,
             view_of(x, QType.F32, (total, self.input_width)),
             view_of(positions, QType.I32, (total,)),
-            view_of(k_rows, QType.I64, (total,)),
-            view_of(v_cells, QType.I64, (total, self.kv_dim)),
+            None if cells is None else view_of(cells[0], QType.I64, (total,)),
+            None if cells is None else view_of(cells[1], QType.I64, (total, self.kv_dim)),
             list(view_of(shared, QType.F32, (len(parts), 1, parts[0].span)))
             if shared is not None
-            else [view_of(p.mask, QType.F32, (p.n, p.span)) for p in parts],
+            else [view_of(p.mask, QType.F32, (p.n, p.span)) for p in parts if p.mask is not None],
             view_of(hidden, QType.F32, (len(outs), cfg.hidden_size)),
             view_of(logits, QType.F32, (len(outs), dims(w[head])[1])),
             None if index is None else view_of(index, QType.I32, (len(outs),)),
@@ -512,6 +520,14 @@ class Qwen3LM:
         assert out is not None
         return out
 
+    def _attends(self, layout: _Layout) -> bool:
+        """Whether each layer's attention runs as one operation (`kv_product.attend`): parts of
+        one row each (steps), where the kernel runs for this cache."""
+        cfg = self.config
+        return all(n == 1 for _, n, _, _ in layout) and kv_product.attends(
+            self._kv_type, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        )
+
     def _batched(self, layout: _Layout) -> bool:
         """Whether a call's parts attend as one batch of operations over their slots (`_attention`):
         several parts of one row each, in slots one after another, over one span within a V
@@ -532,14 +548,15 @@ class Qwen3LM:
         x: Tensor,
         parts: list[_Rows],
         positions: Tensor,
-        k_rows: Tensor,
-        v_cells: Tensor,
+        cells: tuple[Tensor, Tensor] | None,
         together: bool,
         batched: bool,
     ) -> Tensor:
         """One Qwen3 layer (q/k RMSNorm, NeoX RoPE, GQA) over the call's rows x [hidden, rows]:
         the row-wise ops on all the rows at once, the products as `_product` allows, the
-        attention per part, or `batched` (`_batched`) as one batch over the parts' slots."""
+        attention per part, or `batched` (`_batched`) as one batch over the parts' slots, or,
+        without `cells` (the K rows and V cells the rows go to), in one operation
+        (`_attends`)."""
         cfg = self.config
         w = {role: self.weights[f"{bid}.{role}"] for role in layer_shapes(cfg)}
         hd, heads, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
@@ -560,13 +577,21 @@ class Qwen3LM:
 
         h = normed(x, "attn_norm")
         q, k, v = product("q", h), product("k", h), product("v", h)
-        q, k = roped(q, heads, "q_norm"), roped(k, kvh, "k_norm")
-        # the slots' K rows end to end, and every V cell in a row: the indices say where
-        all_k = g.view(k_cache, (self.kv_dim, self.n_ctx * self.slots), (knb[1],))
-        g.set_rows(all_k, g.reshape(k, self.kv_dim, total), k_rows)
-        all_v = g.view(v_cache, (1, vnb[3] // vnb[0] * self.slots), (vnb[0],))
-        g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(v_cells, (self.kv_dim * total,)))
-        x = g.add(x, product("o", self._attention(g, q, k_cache, v_cache, parts, batched)))
+        if cells is None:
+            slots = [p.slot for p in parts]
+            norms = (w["q_norm"], w["k_norm"])
+            attended = kv_product.attend(
+                g, q, k, v, norms, positions, (k_cache, v_cache), slots, eps, cfg.rope_theta
+            )
+        else:
+            q, k = roped(q, heads, "q_norm"), roped(k, kvh, "k_norm")
+            # the slots' K rows end to end, and every V cell in a row: the indices say where
+            all_k = g.view(k_cache, (self.kv_dim, self.n_ctx * self.slots), (knb[1],))
+            g.set_rows(all_k, g.reshape(k, self.kv_dim, total), cells[0])
+            all_v = g.view(v_cache, (1, vnb[3] // vnb[0] * self.slots), (vnb[0],))
+            g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(cells[1], (self.kv_dim * total,)))
+            attended = self._attention(g, q, k_cache, v_cache, parts, batched)
+        x = g.add(x, product("o", attended))
         h = normed(x, "ffn_norm")
         act = g.swiglu(product("gate", h), product("up", h))
         scale = self._down_scale[bid]
@@ -588,6 +613,7 @@ class Qwen3LM:
             first, span, count = parts[0], parts[0].span, len(parts)
             keys = g.view(k_cache, (hd, span, kvh, count), (knb[1], hd * knb[0], knb[2]), first.slot * knb[2])
             rows = g.view(q, (hd, 1, heads, count), (qnb[2], qnb[1], qnb[2]), first.start * qnb[2])
+            assert first.mask is not None
             scores = g.soft_max(_cache_product(g, keys, rows), first.mask, 1.0 / math.sqrt(hd))
             v_nb = (vnb[1], hd * vnb[1], vnb[3])  # a V block: [position, kv_dim], the slots apart
             values = g.view(v_cache, (span, hd, kvh, count), v_nb, first.slot * vnb[3])
@@ -597,6 +623,7 @@ class Qwen3LM:
             keys = g.view(k_cache, (hd, p.span, kvh), (knb[1], hd * knb[0]), p.slot * knb[2])
             # [hd, rows, heads]: a kv head serves `heads / kvh` query heads (ggml broadcasts)
             rows = g.view(q, (hd, p.n, heads), (qnb[2], qnb[1]), p.start * qnb[2])
+            assert p.mask is not None
             scores = g.soft_max(_cache_product(g, keys, rows), p.mask, 1.0 / math.sqrt(hd))
             out = self._attended(g, v_cache, scores, p)  # [hd, rows, heads]
             if p.n > 1:
