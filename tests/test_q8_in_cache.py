@@ -21,7 +21,7 @@ FIGURES = re.compile(r"^(L2 cache|memory) .*: ([\d.]+) ns per 32 multiply-adds, 
 def test_the_tool_reports_the_kernel_from_the_cache_and_from_memory(tmp_path):
     exe = tmp_path / "q8_in_cache"
     source, include = ROOT / "tools" / "q8_in_cache.c", ROOT / "kazeia_stream" / "engine"
-    subprocess.run(["cc", "-O3", "-I", str(include), str(source), "-o", str(exe)], check=True)
+    subprocess.run(["cc", "-O3", "-I", str(include), str(source), "-o", str(exe), "-lm"], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     figures = FIGURES.findall(out)
     assert [where for where, *_ in figures] == ["L2 cache", "memory"], out

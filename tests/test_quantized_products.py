@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QType
 from kernels import on_variant, replays
 
 from kazeia_stream.engine import kquant_product, native, q8_product
-from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, products
+from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Graph, products, view_of
 from kazeia_stream.ggml_lib import quantize
 
 # Q8_0: 200 x 96 has rows that fill no tile of 16 and an odd block count per row (3, no group of
@@ -65,6 +65,32 @@ def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weig
     for count in (2, 4, 5, 9):
         for threads in (1, 2):
             assert np.array_equal(products(w, x[:count], Allocator(), threads, op), alone[:count])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_norm_and_a_residual_in_the_operation_give_ggml_s_operations_numbers(weight, op, threads):
+    """A product that RMS-norms its rows first and adds a residual after (a layer's q, k, v,
+    gate and up; its o and down) gives, bit for bit, the numbers of ggml's rms_norm, mul and
+    add around the product."""
+    _, w, (m, k) = weight
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, k), dtype=np.float32) * rng.uniform(0.1, 30, (5, 1)).astype(np.float32)
+    allocator, g = Allocator(), Graph(16)
+    try:
+        columns, scale = g.input(QType.F32, (5, k)), g.input(QType.F32, (k,))
+        residual = g.input(QType.F32, (5, m))
+        inside = g.output(op(g, w, columns, norm=(scale, 1e-6), residual=residual))
+        apart = g.output(g.add(residual, op(g, w, g.mul(g.rms_norm(columns, 1e-6), scale))))
+        g.allocate(allocator)
+        view_of(columns, QType.F32, (5, k))[...] = x
+        view_of(scale, QType.F32, (k,))[...] = rng.standard_normal(k, dtype=np.float32)
+        view_of(residual, QType.F32, (5, m))[...] = rng.standard_normal((5, m), dtype=np.float32)
+        g.compute(threads)
+        assert np.array_equal(view_of(inside, QType.F32, (5, m)), view_of(apart, QType.F32, (5, m)))
+        assert np.any(view_of(inside, QType.F32, (5, m)))
+    finally:
+        g.close()
+        allocator.close()
 
 
 def test_the_variants_differ_by_float_rounding_only(weight):

@@ -218,3 +218,34 @@ def test_steps_attend_in_one_operation_to_the_numbers_of_ggmls_operations(model,
     for a, b in zip(ours[1], ggmls[1]):  # float16: one unit in the last place of the larger
         last_place = 0.0 if kv_f32 else 2**-10 * np.maximum(np.abs(a), np.abs(b))
         assert np.all(np.abs(a - b) <= last_place + 1e-6 * np.abs(b).max())
+
+
+def test_norms_and_residuals_in_our_products_operations_change_no_number(tiny_gguf, monkeypatch):
+    """Where our kernels multiply (Q8_0 weights), a layer's RMS norms run inside its q, k, v,
+    gate and up products' operations and its residual sums inside its o and down ones: the
+    prefill's and the steps' hidden states and logits are those of ggml's operations, bit for
+    bit."""
+    from kazeia_stream.engine.qwen3 import Qwen3LM, product_kernel
+
+    model = kazeia_stream.load_model(tiny_gguf("custom_voice", "q8_0")[0])
+    cfg = model.config.talker
+
+    def run() -> list[np.ndarray]:
+        talker, state = Talker(model.talker_file, cfg, 1), TalkerState()
+        assert product_kernel(talker.weights["0.q"]) is not None, "the Q8_0 kernel does not run here"
+        outs = list(talker.prefill(state, rows(model, 6)))
+        for row in rows(model, 5, 1):
+            outs += talker.step(state, row)
+        return outs
+
+    inside = run()
+    product = Qwen3LM._product
+
+    def apart(self, g, name, x, parts, together, index=None, norm=None, residual=None):
+        if norm is not None:
+            x = g.mul(g.rms_norm(x, self.config.rms_norm_eps), self.weights[norm])
+        y = product(self, g, name, x, parts, together, index)
+        return y if residual is None else g.add(residual, y)
+
+    monkeypatch.setattr(Qwen3LM, "_product", apart)
+    assert all(np.array_equal(a, b) for a, b in zip(inside, run(), strict=True))

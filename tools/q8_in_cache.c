@@ -4,7 +4,7 @@
    bound by both at once and reads below the memory's speed (numpy's, `python -m
    kazeia_stream.bandwidth 1`), as on Zen 1, whose integer multiplies run on one pipe.
 
-       cc -O3 -I kazeia_stream/engine tools/q8_in_cache.c -o /tmp/q8_in_cache && /tmp/q8_in_cache
+       cc -O3 -I kazeia_stream/engine tools/q8_in_cache.c -o /tmp/q8_in_cache -lm && /tmp/q8_in_cache
 
    Weights of 1024 columns (the 0.6B's width), best of 5 runs; ns per 32 multiply-adds and the
    weights' GB/s. */

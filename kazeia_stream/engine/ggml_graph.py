@@ -365,9 +365,9 @@ class Allocator:
 
 class _Claims(ctypes.Structure):
     """How an operation's threads take its weight rows (`struct claims`, engine/ggml_op.h:
-    MAX_SHARES shares)."""
+    MAX_SHARES shares), and the epsilon of the RMS norm it applies to x first, if it does."""
 
-    _fields_ = [("done", ctypes.c_int), ("shares", ctypes.c_uint64 * 64)]
+    _fields_ = [("done", ctypes.c_int), ("shares", ctypes.c_uint64 * 64), ("eps", ctypes.c_float)]
 
 
 class Graph:
@@ -411,11 +411,16 @@ class Graph:
         return self._op(ggml.ggml_mul_mat_id(self._ctx, stacked, x, ids))
 
     def custom(
-        self, fn: int, ne: Sequence[int], args: Sequence[Tensor], userdata: ctypes.Structure | None = None
+        self,
+        fn: int,
+        ne: Sequence[int],
+        args: Sequence[Tensor | None],
+        userdata: ctypes.Structure | None = None,
     ) -> Tensor:
         """A float32 tensor of sizes `ne` that the C function at `fn` (a ggml_custom_op_t)
-        computes from `args` (its src), on every thread of the call; `userdata`, a ctypes
-        object the graph keeps while it lives, is passed to it by reference."""
+        computes from `args` (its src; None: no tensor there), on every thread of the call;
+        `userdata`, a ctypes object the graph keeps while it lives, is passed to it by
+        reference."""
         sizes = (*ne, 1, 1, 1)[:4]
         srcs = (ctypes.c_void_p * len(args))(*args)
         data = None
@@ -424,16 +429,31 @@ class Graph:
             data = ctypes.cast(ctypes.byref(userdata), ctypes.c_void_p)
         return self._op(ggml.ggml_custom_4d(self._ctx, QType.F32, *sizes, srcs, len(args), fn, -1, data))
 
-    def product(self, fn: int, w: Tensor, x: Tensor, ids: Tensor | None = None) -> Tensor:
+    def product(
+        self,
+        fn: int,
+        w: Tensor,
+        x: Tensor,
+        ids: Tensor | None = None,
+        norm: tuple[Tensor, float] | None = None,
+        residual: Tensor | None = None,
+    ) -> Tensor:
         """w @ x [out, n] for the float32 columns of x [in, n] (each contiguous), by the C
         function at `fn`: a ggml custom operation of ours whose threads claim chunks of w's
         rows (`struct claims`, engine/ggml_op.h); for a stack of matrices w, `ids` (int32, n in
-        a row) names the one each column takes."""
+        a row) names the one each column takes. `norm` (weight [in], epsilon): each column
+        RMS-normed and times the weight first; `residual` [out, n]: added to the product (as
+        ggml's rms_norm, mul and add compute them, in the same operation)."""
         assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
         if strides(x)[0] != 4:
             x = self.cont(x)
-        args = [w, x] if ids is None else [w, x, ids]
-        return self.custom(fn, (dims(w)[1], dims(x)[1]), args, _Claims())
+        claims = _Claims()
+        if norm is not None:
+            claims.eps = norm[1]
+        args = [w, x, ids, None if norm is None else norm[0], residual]
+        while args[-1] is None:
+            args.pop()
+        return self.custom(fn, (dims(w)[1], dims(x)[1]), args, claims)
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))

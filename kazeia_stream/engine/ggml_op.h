@@ -8,6 +8,7 @@
 #define KZ_GGML_OP_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,6 +48,7 @@ struct tensor {
 struct claims {
     int done;                      /* threads that found no chunk left */
     uint64_t shares[MAX_SHARES];   /* 0 until a thread begins it; then BEGUN | back << 32 | front */
+    float eps;                     /* the RMS norm's epsilon, for an operation that norms x (`product`) */
 };
 
 /* The shares of an operation run on nth threads: one each, up to MAX_SHARES. */
@@ -133,23 +135,40 @@ static inline int64_t matrix_of(const struct tensor *w, const struct tensor *ids
     return id;
 }
 
+/* x[0..k) RMS-normed and times w into y, as ggml's rms_norm and mul compute it: a double sum
+   of float squares, the scale in float, (x scale) w. */
+static inline void rms_normed(const float *x, const float *w, int64_t k, float eps, float *y) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < k; i++) sum += (double)(x[i] * x[i]);
+    const float mean = (float)(sum / (double)k), scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t i = 0; i < k; i++) y[i] = x[i] * scale * w[i];
+}
+
 /* The custom operation's body (ggml_custom_op_t) for one of its nth threads: src[0] the
    weights (a matrix, or a stack of them, in blocks of block_k values), src[1] x, src[2] (where
-   w is a stack) the matrix each column takes; on one variant's quantizer, layout and tiles.
-   Columns that take the same matrix one after another pass its rows together, up to ROWS at a
-   time. */
+   w is a stack) the matrix each column takes, src[3] (where given) the weight of an RMS norm
+   that each column of x takes first (epsilon claims->eps), src[4] (where given) a residual
+   [m, n] added to the product (where ggml ran a norm, a mul and an add as operations of their
+   own, each ended by a barrier); on one variant's quantizer, layout and tiles. Columns that
+   take the same matrix one after another pass its rows together, up to ROWS at a time. */
 static inline void product(struct tensor *dst, int ith, int nth, struct claims *claims, int64_t block_k,
                            void (*quantize)(const float *, int64_t, int8_t *, float *),
                            const struct layout *layout, tile_fn *tile) {
-    const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
+    const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2], *norm = dst->src[3],
+                        *residual = dst->src[4];
     const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / block_k;
     const size_t groups = (size_t)((nb + layout->blocks - 1) / layout->blocks);
     const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
     int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
     float *d = aligned_alloc(64, (n * d_row * 4 + 63) / 64 * 64);
-    if (q == NULL || d == NULL) abort(); /* as ggml does when memory runs out */
+    float *normed = norm != NULL ? aligned_alloc(64, (k * 4 + 63) / 64 * 64) : NULL;
+    if (q == NULL || d == NULL || (norm != NULL && normed == NULL)) abort(); /* as ggml does when memory runs out */
     for (int64_t r = 0; r < n; r++) {
         const float *row = (const float *)((const char *)x->data + r * x->nb[1]);
+        if (norm != NULL) {
+            rms_normed(row, (const float *)norm->data, k, claims->eps, normed);
+            row = normed;
+        }
         quantize(row, k, q + r * q_row, d + r * d_row);
     }
     const size_t dst_row = dst->nb[1] / sizeof(float);
@@ -166,10 +185,17 @@ static inline void product(struct tensor *dst, int ith, int nth, struct claims *
                      dst_row, r0, r1);
             }
         }
+        if (residual != NULL) /* ggml's add: residual + product */
+            for (int64_t r = 0; r < n; r++) {
+                const float *add = (const float *)((const char *)residual->data + r * residual->nb[1]);
+                float *out = (float *)dst->data + r * dst_row;
+                for (int64_t i = first; i < last; i++) out[i] = add[i] + out[i];
+            }
     }
     claimed(claims, nth);
     free(q);
     free(d);
+    free(normed);
 }
 
 /* The variant of a quantized kernel this CPU runs: 2 AVX512-VNNI (with BW, DQ, VL), 1 AVX2

@@ -127,7 +127,7 @@ AVX2 void kz_kv_product_avx2(struct tensor *dst, int ith, int nth, void *userdat
 
    For parts of one query row each (a talker step of each stream, a code predictor step), what
    a layer does between its q/k/v products and its o product: the q and k heads RMS-normed and
-   rotated (NeoX RoPE, as ggml computes both), k and v written into the caches at the part's
+   rotated (NeoX RoPE, as ggml computes both: `rms_normed`, ggml_op.h), k and v written into the caches at the part's
    position (K a row per position, V transposed in blocks), then each query head's scores over
    the positions up to its own, their softmax and the values they weight. In ggml that is nine
    operations a layer, each ended by a barrier where the other thread waits, for a few
@@ -138,7 +138,6 @@ AVX2 void kz_kv_product_avx2(struct tensor *dst, int ith, int nth, void *userdat
    `kz_kv_product_avx2` sums it); the softmax's exponentials are our own, within a few units in
    the last place of ggml's. */
 
-#include <math.h>
 #include <string.h>
 
 /* The operation's userdata: RMS norms' epsilon, RoPE's base, the scores' scale, positions per V
@@ -149,14 +148,6 @@ struct attend {
     int64_t v_block, parts;
     int64_t slots[];
 };
-
-/* x [n] RMS-normed and times w, into y: ggml's rms_norm and mul (a double sum of float squares). */
-static void normed(const float *x, const float *w, int64_t n, float eps, float *y) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
-    const float mean = (float)(sum / (double)n), scale = 1.0f / sqrtf(mean + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale * w[i];
-}
 
 /* cos and sin of each rotated pair's angle at position pos (ggml's rope cache: the angle
    multiplied by theta_scale from one pair to the next, in float). */
@@ -292,7 +283,7 @@ AVX2 void kz_kv_product_attend_avx2(struct tensor *dst, int ith, int nth, void *
             const int32_t at = positions[p];
             const int64_t n = at + 1, slot = u->slots[p];
             angles(at, pairs, theta_scale, cs, sn);
-            normed((const float *)((const char *)k->data + p * k->nb[1]) + h * hd, k_norm->data, hd, u->eps, kk);
+            rms_normed((const float *)((const char *)k->data + p * k->nb[1]) + h * hd, k_norm->data, hd, u->eps, kk);
             rotated(kk, pairs, cs, sn);
             const char *keys = (const char *)kc->data + slot * kc->nb[2] + h * hd * item;
             store(kk, hd, f16, (char *)keys + at * kc->nb[1], item);
@@ -302,7 +293,7 @@ AVX2 void kz_kv_product_attend_avx2(struct tensor *dst, int ith, int nth, void *
             const float *b[OUTS];
             for (int64_t c = 0; c < group; c++) {
                 float *qc = qq + c * hd;
-                normed((const float *)((const char *)q->data + p * q->nb[1]) + (h * group + c) * hd, q_norm->data, hd,
+                rms_normed((const float *)((const char *)q->data + p * q->nb[1]) + (h * group + c) * hd, q_norm->data, hd,
                        u->eps, qc);
                 rotated(qc, pairs, cs, sn);
                 b[c] = qc;

@@ -49,15 +49,23 @@ class Kernel:
         )
 
     def product(
-        self, g: Graph, w: Tensor, x: Tensor, variant: str | None = None, ids: Tensor | None = None
+        self,
+        g: Graph,
+        w: Tensor,
+        x: Tensor,
+        variant: str | None = None,
+        ids: Tensor | None = None,
+        norm: tuple[Tensor, float] | None = None,
+        residual: Tensor | None = None,
     ) -> Tensor:
         """w @ x for `takes(w)` and the float32 columns of x [in, n]: [out, n], on `variant`
         (default: the chosen one). For a stack w, `ids` (int32, n in a row) names the matrix
-        each column takes: the code predictor's heads, all the streams' columns in one product."""
+        each column takes: the code predictor's heads, all the streams' columns in one product.
+        `norm` and `residual` as `Graph.product` takes them."""
         variant = variant or self.chosen()
         assert variant is not None, "the kernel does not run here"
         assert (ids is None) == (dims(w)[2] == 1), "a stack's product needs ids, a matrix's none"
-        return g.product(native.address(self.name, variant, self.op), w, x, ids)
+        return g.product(native.address(self.name, variant, self.op), w, x, ids, norm, residual)
 
     def bench(self, argv: list[str] | None = None) -> None:
         """ms per product of a random weight of about MB megabytes (larger than the caches:

@@ -464,9 +464,12 @@ class Qwen3LM:
         parts: Sequence[tuple[int, int]],
         together: bool,
         index: Tensor | None = None,
+        norm: str | None = None,
+        residual: Tensor | None = None,
     ) -> Tensor:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
-        `index`: which matrix of a stacked weight each column takes.
+        `index`: which matrix of a stacked weight each column takes; `norm`: the weight of an
+        RMS norm each column takes first; `residual` [out, rows]: added to the product.
 
         A Q8_0, Q4_K, Q5_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies
         every column at once on our kernel of its type, where it runs (`q8_product`,
@@ -478,11 +481,15 @@ class Qwen3LM:
         fast from the cache, where the first product leaves it (4 one-row parts on one thread:
         46 against 57 ms for the talker's products); on a Xeon of family 6 model 207 all
         together was faster (130-143 against 178-182 ms). Else each part is multiplied alone,
-        as it would be without the others."""
+        as it would be without the others. Our kernels apply the norm and add the residual
+        in their operation (ggml's numbers: tested); else they are ggml's operations."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
-        kernel = product_kernel(w)
+        kernel, eps = product_kernel(w), self.config.rms_norm_eps
         if kernel is not None:  # all rows at once: each row's numbers its own
-            return kernel.product(g, w, x, ids=index)
+            scaled = None if norm is None else (self.weights[norm], eps)
+            return kernel.product(g, w, x, ids=index, norm=scaled, residual=residual)
+        if norm is not None:
+            x = g.mul(g.rms_norm(x, eps), self.weights[norm])
         if index is not None:
             x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
         if rows > 1 and columns_agree(w):
@@ -499,7 +506,8 @@ class Qwen3LM:
             )
             return g.reshape(y, dims(y)[0], n)
 
-        return g.join([product(start, n) for start, n in parts])
+        y = g.join([product(start, n) for start, n in parts])
+        return y if residual is None else g.add(residual, y)
 
     def _attended(self, g: Graph, v_cache: Tensor, scores: Tensor, p: _Rows) -> Tensor:
         """The values weighted by scores [span, rows, heads] of part p: one product per V
@@ -569,14 +577,22 @@ class Qwen3LM:
         def normed(t: Tensor, weight: str) -> Tensor:
             return g.mul(g.rms_norm(t, eps), w[weight])
 
-        def product(role: str, t: Tensor) -> Tensor:
-            return self._product(g, f"{bid}.{role}", t, columns, together)
+        def product(role: str, t: Tensor, residual: Tensor | None = None) -> Tensor:
+            return self._product(g, f"{bid}.{role}", t, columns, together, residual=residual)
+
+        def products(roles: tuple[str, ...], t: Tensor, norm: str) -> list[Tensor]:
+            """The products of t RMS-normed by weight `norm`: the norm in each of our kernels'
+            operations (none of its own, and no barrier), else once as ggml's."""
+            if all(product_kernel(w[role]) is not None for role in roles):
+                name = f"{bid}.{norm}"
+                return [self._product(g, f"{bid}.{r}", t, columns, together, norm=name) for r in roles]
+            h = normed(t, norm)
+            return [product(role, h) for role in roles]
 
         def roped(t: Tensor, n_heads: int, weight: str) -> Tensor:
             return g.rope_neox(normed(g.reshape(t, hd, n_heads, total), weight), positions, cfg.rope_theta)
 
-        h = normed(x, "attn_norm")
-        q, k, v = product("q", h), product("k", h), product("v", h)
+        q, k, v = products(("q", "k", "v"), x, "attn_norm")
         if cells is None:
             slots = [p.slot for p in parts]
             norms = (w["q_norm"], w["k_norm"])
@@ -591,15 +607,12 @@ class Qwen3LM:
             all_v = g.view(v_cache, (1, vnb[3] // vnb[0] * self.slots), (vnb[0],))
             g.set_rows(all_v, g.reshape(v, 1, self.kv_dim * total), g.view(cells[1], (self.kv_dim * total,)))
             attended = self._attention(g, q, k_cache, v_cache, parts, batched)
-        x = g.add(x, product("o", attended))
-        h = normed(x, "ffn_norm")
-        act = g.swiglu(product("gate", h), product("up", h))
+        x = product("o", attended, residual=x)
+        act = g.swiglu(*products(("gate", "up"), x, "ffn_norm"))
         scale = self._down_scale[bid]
-        if scale != 1.0:
-            act = g.scale(act, scale)
-        down = product("down", act)
-        if scale != 1.0:
-            down = g.scale(down, 1.0 / scale)
+        if scale == 1.0:
+            return product("down", act, residual=x)
+        down = g.scale(product("down", g.scale(act, scale)), 1.0 / scale)
         return g.add(x, down)
 
     def _attention(
