@@ -60,39 +60,60 @@ AVX2 INLINE void dots(const char *const *rows, int f16, int64_t k, const float *
     for (int j = 0; j < R * N; j++) sums[j] = all[j];
 }
 
-/* Rows [i0, i1) of matrix (i2, i3) of a, R at a time (the last ones one at a time), times the
-   N rows of b it serves (R N <= OUTS, constants). */
+/* outs[c] + t step (a float) = row t . b[c] over k, for the n rows at base + t stride and the
+   N rows of b, R rows at a time (the last ones one at a time; R N <= OUTS, constants), AHEAD
+   rows prefetched. */
+AVX2 INLINE void over_rows(const char *base, int64_t stride, int64_t n, int f16, int64_t k, const float *const *b,
+                           char *const *outs, size_t step, const int R, const int N) {
+    const int64_t bytes = k * (f16 ? 2 : 4);
+    for (int64_t t = 0; t < n && t < AHEAD; t++)
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(base + t * stride + l, _MM_HINT_T0);
+    for (int64_t t = 0; t < n;) {
+        const int count = n - t >= R ? R : 1;
+        const char *rows[OUTS];
+        for (int j = 0; j < count; j++) {
+            rows[j] = base + (t + j) * stride;
+            if (t + j + AHEAD < n)
+                for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(rows[j] + AHEAD * stride + l, _MM_HINT_T0);
+        }
+        float sums[OUTS];
+        if (count == R)
+            dots(rows, f16, k, b, sums, R, N);
+        else
+            dots(rows, f16, k, b, sums, 1, N);
+        for (int j = 0; j < count; j++, t++)
+            for (int c = 0; c < N; c++) *(float *)(outs[c] + t * step) = sums[N * j + c];
+    }
+}
+
+/* `call(R, N)` for N = count rows of b a row of a serves (1 <= count <= OUTS): R rows of a at
+   a time, as many as the accumulators hold. */
+#define BY_COUNT(count, call)       \
+    switch (count) {                \
+    case 1: call(8, 1); break;      \
+    case 2: call(4, 2); break;      \
+    case 3: call(2, 3); break;      \
+    case 4: call(2, 4); break;      \
+    case 5: call(1, 5); break;      \
+    case 6: call(1, 6); break;      \
+    case 7: call(1, 7); break;      \
+    default: call(1, 8); break;     \
+    }
+
+/* Rows [i0, i1) of matrix (i2, i3) of a times the N rows of b it serves (`over_rows`). */
 AVX2 INLINE void rows_of(const struct tensor *a, const struct tensor *b, struct tensor *dst, int64_t i2, int64_t i3,
                          int64_t i0, int64_t i1, const int R, const int N) {
-    const int64_t k = a->ne[0], n = b->ne[1], g = b->ne[2] / a->ne[2], stride = (int64_t)a->nb[1];
-    const int f16 = a->type == GGML_TYPE_F16;
-    const int64_t bytes = k * (f16 ? 2 : 4);
+    const int64_t n = b->ne[1], g = b->ne[2] / a->ne[2];
     const char *matrix = (const char *)a->data + i2 * a->nb[2] + i3 * a->nb[3];
     const float *bs[OUTS];
     char *out[OUTS];
     for (int c = 0; c < N; c++) {
         const int64_t h = i2 * g + c / n, col = c % n;
         bs[c] = (const float *)((const char *)b->data + col * b->nb[1] + h * b->nb[2] + i3 * b->nb[3]);
-        out[c] = (char *)dst->data + col * dst->nb[1] + h * dst->nb[2] + i3 * dst->nb[3];
+        out[c] = (char *)dst->data + col * dst->nb[1] + h * dst->nb[2] + i3 * dst->nb[3] + i0 * dst->nb[0];
     }
-    for (int64_t i = i0; i < i1 && i < i0 + AHEAD; i++)
-        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(matrix + i * stride + l, _MM_HINT_T0);
-    for (int64_t i = i0; i < i1;) {
-        const int count = i1 - i >= R ? R : 1;
-        const char *rows[OUTS];
-        for (int j = 0; j < count; j++) {
-            rows[j] = matrix + (i + j) * stride;
-            if (i + j + AHEAD < i1)
-                for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(rows[j] + AHEAD * stride + l, _MM_HINT_T0);
-        }
-        float sums[OUTS];
-        if (count == R)
-            dots(rows, f16, k, bs, sums, R, N);
-        else
-            dots(rows, f16, k, bs, sums, 1, N);
-        for (int j = 0; j < count; j++, i++)
-            for (int c = 0; c < N; c++) *(float *)(out[c] + i * dst->nb[0]) = sums[N * j + c];
-    }
+    over_rows(matrix + i0 * a->nb[1], (int64_t)a->nb[1], i1 - i0, a->type == GGML_TYPE_F16, a->ne[0], bs, out,
+              dst->nb[0], R, N);
 }
 
 /* Rows [r0, r1) of a, counted along its rows, then its matrices. */
@@ -111,16 +132,9 @@ AVX2 void kz_kv_product_avx2(struct tensor *dst, int ith, int nth, void *userdat
     (void)userdata;
     const struct tensor *a = dst->src[0], *b = dst->src[1];
     const int64_t rows = a->ne[1] * a->ne[2] * a->ne[3], r0 = rows * ith / nth, r1 = rows * (ith + 1) / nth;
-    switch (b->ne[1] * (b->ne[2] / a->ne[2])) {
-    case 1: run(a, b, dst, r0, r1, 8, 1); break;
-    case 2: run(a, b, dst, r0, r1, 4, 2); break;
-    case 3: run(a, b, dst, r0, r1, 2, 3); break;
-    case 4: run(a, b, dst, r0, r1, 2, 4); break;
-    case 5: run(a, b, dst, r0, r1, 1, 5); break;
-    case 6: run(a, b, dst, r0, r1, 1, 6); break;
-    case 7: run(a, b, dst, r0, r1, 1, 7); break;
-    default: run(a, b, dst, r0, r1, 1, 8); break;
-    }
+#define RUN(R, N) run(a, b, dst, r0, r1, R, N)
+    BY_COUNT(b->ne[1] * (b->ne[2] / a->ne[2]), RUN)
+#undef RUN
 }
 
 /* ---- A step's whole attention in one operation (`attend`, kv_product.py) ----
@@ -208,44 +222,14 @@ AVX2 static void softmax(const float *s, int64_t n, float scale, float *p) {
     for (t = 0; t < n; t++) p[t] *= inv;
 }
 
-/* out[c * n + t] = row t . b[c] over k (c < N, t < n), the rows at base + t * stride, R at a
-   time (R N <= OUTS, constants), AHEAD rows prefetched. */
-AVX2 INLINE void over_rows(const char *base, int64_t stride, int64_t n, int f16, int64_t k, const float *const *b,
-                           float *out, const int R, const int N) {
-    const int64_t bytes = k * (f16 ? 2 : 4);
-    for (int64_t t = 0; t < n && t < AHEAD; t++)
-        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(base + t * stride + l, _MM_HINT_T0);
-    for (int64_t t = 0; t < n;) {
-        const int count = n - t >= R ? R : 1;
-        const char *rows[OUTS];
-        for (int j = 0; j < count; j++) {
-            rows[j] = base + (t + j) * stride;
-            if (t + j + AHEAD < n)
-                for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(rows[j] + AHEAD * stride + l, _MM_HINT_T0);
-        }
-        float sums[OUTS];
-        if (count == R)
-            dots(rows, f16, k, b, sums, R, N);
-        else
-            dots(rows, f16, k, b, sums, 1, N);
-        for (int j = 0; j < count; j++, t++)
-            for (int c = 0; c < N; c++) out[c * n + t] = sums[N * j + c];
-    }
-}
-
-/* over_rows for N = group (1 <= group <= OUTS), R as kz_kv_product_avx2 takes it. */
+/* over_rows into out[c n + t] for N = group (1 <= group <= OUTS). */
 AVX2 static void over_rows_of(const char *base, int64_t stride, int64_t n, int f16, int64_t k, const float *const *b,
                               float *out, int64_t group) {
-    switch (group) {
-    case 1: over_rows(base, stride, n, f16, k, b, out, 8, 1); break;
-    case 2: over_rows(base, stride, n, f16, k, b, out, 4, 2); break;
-    case 3: over_rows(base, stride, n, f16, k, b, out, 2, 3); break;
-    case 4: over_rows(base, stride, n, f16, k, b, out, 2, 4); break;
-    case 5: over_rows(base, stride, n, f16, k, b, out, 1, 5); break;
-    case 6: over_rows(base, stride, n, f16, k, b, out, 1, 6); break;
-    case 7: over_rows(base, stride, n, f16, k, b, out, 1, 7); break;
-    default: over_rows(base, stride, n, f16, k, b, out, 1, 8); break;
-    }
+    char *outs[OUTS];
+    for (int64_t c = 0; c < group; c++) outs[c] = (char *)(out + c * n);
+#define OVER(R, N) over_rows(base, stride, n, f16, k, b, outs, sizeof(float), R, N)
+    BY_COUNT(group, OVER)
+#undef OVER
 }
 
 /* x[0..n) stored as the cache's numbers (float16 rounded to nearest, as ggml's set_rows), each
