@@ -140,10 +140,11 @@ AVX2 void kz_kv_product_avx2(struct tensor *dst, int ith, int nth, void *userdat
 /* ---- A step's whole attention in one operation (`attend`, kv_product.py) ----
 
    For parts of one query row each (a talker step of each stream, a code predictor step), what
-   a layer does between its q/k/v products and its o product: the q and k heads RMS-normed and
-   rotated (NeoX RoPE, as ggml computes both: `rms_normed`, ggml_op.h), k and v written into the caches at the part's
-   position (K a row per position, V transposed in blocks), then each query head's scores over
-   the positions up to its own, their softmax and the values they weight. In ggml that is nine
+   a layer does between its q/k/v products and its o product: the q and k heads RMS-normed
+   (`rms_normed`, ggml_op.h) and rotated (NeoX RoPE), both as ggml computes them, k and v
+   written into the caches at the part's position (K a row per position, V transposed in
+   blocks), then each query head's scores over the positions up to its own, their softmax and
+   the values they weight. In ggml that is nine
    operations a layer, each ended by a barrier where the other thread waits, for a few
    microseconds of work: a code predictor step's 5 layers spent 35 us a layer there on the Xeon
    with AMX, its products 565. Here a thread takes whole KV heads (a part's writes and reads of a
@@ -207,8 +208,8 @@ AVX2 static void softmax(const float *s, int64_t n, float scale, float *p) {
     double sum = 0.0;
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-        const __m256 x = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(scale)), _mm256_set1_ps(top));
-        _mm256_storeu_ps(p + t, exp8(x));
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(p + t, exp8(_mm256_sub_ps(x, _mm256_set1_ps(top))));
     }
     if (t < n) {
         float last[8] = {0}, out[8];
@@ -261,24 +262,27 @@ AVX2 void kz_kv_product_attend_avx2(struct tensor *dst, int ith, int nth, void *
     const int64_t room = (most + 7) / 8 * 8; /* a head's probabilities, zeros after its last */
     float *work = aligned_alloc(64, (size_t)((group + 1) * hd + 2 * pairs + group * room + hd * group) * 4 + 64);
     if (work == NULL) abort(); /* as ggml does when memory runs out */
-    float *kk = work, *qq = kk + hd, *cs = qq + group * hd, *sn = cs + pairs, *prob = sn + pairs, *piece = prob + group * room;
+    float *kk = work, *qq = kk + hd, *cs = qq + group * hd, *sn = cs + pairs;
+    float *prob = sn + pairs, *piece = prob + group * room;
     for (int64_t h = ith * kvh / nth; h < (ith + 1) * kvh / nth; h++) {
         for (int64_t p = 0; p < u->parts; p++) {
             const int32_t at = positions[p];
             const int64_t n = at + 1, slot = u->slots[p];
             angles(at, pairs, theta_scale, cs, sn);
-            rms_normed((const float *)((const char *)k->data + p * k->nb[1]) + h * hd, k_norm->data, hd, u->eps, kk);
+            const float *kp = (const float *)((const char *)k->data + p * k->nb[1]) + h * hd;
+            rms_normed(kp, k_norm->data, hd, u->eps, kk);
             rotated(kk, pairs, cs, sn);
             const char *keys = (const char *)kc->data + slot * kc->nb[2] + h * hd * item;
             store(kk, hd, f16, (char *)keys + at * kc->nb[1], item);
             const char *values = (const char *)vc->data + slot * vc->nb[3] + h * hd * vc->nb[1];
             const float *vv = (const float *)((const char *)v->data + p * v->nb[1]) + h * hd;
-            store(vv, hd, f16, (char *)values + at / u->v_block * vc->nb[2] + at % u->v_block * vc->nb[0], vc->nb[1]);
+            const size_t cell = at / u->v_block * vc->nb[2] + at % u->v_block * vc->nb[0];
+            store(vv, hd, f16, (char *)values + cell, vc->nb[1]);
             const float *b[OUTS];
             for (int64_t c = 0; c < group; c++) {
                 float *qc = qq + c * hd;
-                rms_normed((const float *)((const char *)q->data + p * q->nb[1]) + (h * group + c) * hd, q_norm->data, hd,
-                       u->eps, qc);
+                const float *qp = (const float *)((const char *)q->data + p * q->nb[1]) + (h * group + c) * hd;
+                rms_normed(qp, q_norm->data, hd, u->eps, qc);
                 rotated(qc, pairs, cs, sn);
                 b[c] = qc;
             }

@@ -17,7 +17,7 @@ rotated, k and v written into the caches, the scores, their softmax and the weig
 where ggml's graph ran nine operations a layer, each ended by a barrier at which one of the
 threads waited. On the Xeon with AMX (2 threads, random 0.6B, Q8_0) a code predictor layer's
 attention took 11 us against 35 and a talker layer's 51 against about 100; `bench --pipeline`
-gave RTF 1.26-1.31x its floor against 1.27-1.34x in three alternated pairs. Its numbers are
+gave 1.26-1.31x its floor against 1.27-1.34x in three alternated pairs. Its numbers are
 those of ggml's operations to rounding (its exponentials are its own; tested).
 
 A plain shared library that setuptools builds at install with the package (optional: without
