@@ -92,7 +92,7 @@ class Runtime:
         )
         self._codec = self.decoder.start_call(lambda: self._load_codec(model.mmproj_file))
         self.frames = FrameLoop(self.talker, self.code_predictor, cfg)
-        self.generator = Generator(self.frames)
+        self.generator = Generator(self.frames, self.cores)
         self.generator.start_call(self._ahead)
         model.ready()  # the vocabulary, loading since the model was made: a refused file fails here
         # the decoder state after each in-context voice's reference frames

@@ -289,11 +289,17 @@ _Frames = list[tuple[FrameState, _Result["np.ndarray | None"]]]  # streams and t
 class Generator(_Passes[FrameState, "np.ndarray | None"]):
     """Frames of every stream, in shared passes of the frame loop."""
 
-    def __init__(self, frames: FrameLoop) -> None:
+    def __init__(self, frames: FrameLoop, cores: SharedCores) -> None:
         super().__init__("kazeia-generator")
-        self.frames = frames
+        self.frames, self.cores = frames, cores
         self._others = False  # the pass being taken leaves other streams waiting
         self._going: list[FrameState] = []  # streams of the pass that go on
+
+    @trio.lowlevel.enable_ki_protection
+    def _submit(self, item: FrameState, result: _Result[np.ndarray | None]) -> None:
+        super()._submit(item, result)
+        if item.prefill is None:  # it has not begun: a pass's steps in C let it in (`_between`)
+            self.cores.changed()
 
     @trio.lowlevel.enable_ki_protection  # called from trio's thread too (`_Passes._submit`)
     def start(self, *args: Any) -> FrameState:

@@ -192,23 +192,32 @@ def c_steps():
         pytest.skip("the code step's kernel was not built")
 
 
-@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
-def test_the_steps_in_c_give_the_python_steps_codes_and_inputs(tiny_gguf, out_type, c_steps, monkeypatch):
-    """Steps 2..15 in one C call each (`code_step`) give the codes and the talker's next inputs
-    of the Python steps bit for bit: one stream and three, sampling (top-p or not) and greedy,
-    tables of each type the kernel reads (voice_design: an input projection, a width that is
-    not the code predictor's)."""
+@pytest.mark.parametrize(
+    "out_type, interrupted", [("f32", False), ("f16", False), ("q8_0", False), ("q8_0", True)]
+)
+def test_the_steps_in_c_give_the_python_steps_codes_and_inputs(
+    tiny_gguf, out_type, interrupted, c_steps, monkeypatch
+):
+    """Steps 2..15 in C (`code_step`: in one call, until the cores' sharing changes) give the
+    codes and the talker's next inputs of the Python steps bit for bit: one stream and three,
+    sampling (top-p or not) and greedy, tables of each type the kernel reads (voice_design: an
+    input projection, a width that is not the code predictor's), and `interrupted`, a change
+    before each call's second step, so that each call runs one step and the next goes on."""
     model = kazeia_stream.load_model(tiny_gguf("voice_design", out_type)[0])
     cp = CodePredictor(model.mmproj_file, model.config.code_predictor, 2, max_streams=3)
     ref = np.load(REFS / "talker_voice_design.npz")
     hidden, code0 = ref["talker_hidden"], ref["codes"][:, 0]
     settings = [Sampling(True, 0.9, 50, 1.0), Sampling(True, 1.5, 0, 0.8), Sampling(False)]
-    steps = []
-    run_step = code_step.CodeSteps.__call__
+    steps = []  # the streams of each step run in C
+    run = code_step.CodeSteps.run
 
-    def counted(self, *args):
-        steps.append(len(self.codes))
-        run_step(self, *args)
+    def counted(self, replays, threads, first, changes, seen):
+        if interrupted:
+            changes[0] += 1
+        done = run(self, replays, threads, first, changes, seen)
+        assert done == (1 if interrupted else len(replays))
+        steps.extend([len(self.codes)] * done)
+        return done
 
     def frames():
         out = []
@@ -218,7 +227,7 @@ def test_the_steps_in_c_give_the_python_steps_codes_and_inputs(tiny_gguf, out_ty
                 out.append(cp.predict_many(hidden[first : first + n], code0[first : first + n], samplers))
         return out
 
-    monkeypatch.setattr(code_step.CodeSteps, "__call__", counted)
+    monkeypatch.setattr(code_step.CodeSteps, "run", counted)
     native = frames()
     # every step after the first in C; three streams' once the way their products run is
     # chosen (at F32, after `forward_many` timed both)

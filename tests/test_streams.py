@@ -210,7 +210,7 @@ def test_a_stream_that_has_not_begun_begins_inside_the_pass_running(shared, solo
     while any(s.prefilling for s in running):
         frames.next_frames(running)
     new = start(frames, ("aiden", 3))
-    generator = Generator(frames)  # driven here, in this thread
+    generator = Generator(frames, frames.code_predictor.lm.cores)  # driven here, in this thread
     results = {id(s): _Result[np.ndarray | None](in_trio=False) for s in [*running, new]}
     generator._queue = [(s, results[id(s)]) for s in [*running, new]]
     batch = generator._take()
@@ -226,6 +226,27 @@ def test_a_stream_that_has_not_begun_begins_inside_the_pass_running(shared, solo
     solo = start(solo_runtime.frames, ("aiden", 3))
     np.testing.assert_array_equal(codes, solo_runtime.frames.next_frame(solo))
     solo_runtime.frames.finish(solo)
+
+
+def test_a_stream_that_has_not_begun_stops_the_code_predictors_steps_in_c(shared, monkeypatch):
+    """Asked for before it has begun, a stream moves the cores' count of changes, at which the
+    code predictor's steps in C stop (`code_step`, tested there), so that the pass between
+    them lets it in (`_between`); a stream that has begun does not."""
+    model, frames = shared.model, shared.frames
+    generator = Generator(frames, shared.cores)
+    monkeypatch.setattr(generator, "_wake", lambda: None)  # no thread: the queue is only looked at
+    prompt = model.prompt(TEXTS["ryan", 1], voice="ryan")
+    state = frames.start(prompt, model.text_feed(prompt), GenerationOptions(seed=1), np.random.default_rng(1))
+    try:
+        before = int(shared.cores.changes[0])
+        generator._submit(state, _Result(in_trio=False))
+        assert shared.cores.changes[0] == before + 1
+        while state.prefilling:
+            frames.next_frames([state])
+        generator._submit(state, _Result(in_trio=False))
+        assert shared.cores.changes[0] == before + 1
+    finally:
+        frames.finish(state)
 
 
 def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_streams(shared):

@@ -209,21 +209,27 @@ class CodePredictor:
         ours = [s for s in samplers if isinstance(s, CodeSampler)]
         if code_step.kernel() is not None and self._embd.qtype in code_step.TYPES and len(ours) == n:
             native = code_step.CodeSteps(ours, last, sums, self._embd.raw, self._embd.qtype)
-        for j in range(2, self.n_groups + 1):
+        cores, j = self.lm.cores, 2
+        while j <= self.n_groups:
             if between is not None:
                 between(first_seq + n)
-            replay = None
-            if native is not None:
-                threads = self.lm.cores.threads(self.lm.threads)
-                replay = self.lm.replay(seqs, j, "head", j - 1, threads)
-            if native is not None and replay is not None:
-                native(replay, threads, j - 2)
-            else:
-                rows = np.stack([self._embd.row(j - 2, int(c)) for c in last])
-                sums += rows
-                logits = self._step(j, [(seq, row[None], j) for seq, row in zip(seqs, rows)])
-                last[:] = [self._draw(j, sample, row) for sample, row in zip(samplers, logits)]
+            if native is not None:  # the steps left in one C call, until the cores' sharing changes
+                seen = int(cores.changes[0])  # before the threads are chosen
+                threads = cores.threads(self.lm.threads)
+                left = [self.lm.replay(seqs, i, "head", i - 1, threads) for i in range(j, self.n_groups + 1)]
+                if all(replay is not None for replay in left):
+                    replays = [r for r in left if r is not None]
+                    done = native.run(replays, threads, j - 2, cores.changes, seen)
+                    codes[:, j : j + done] = native.out[j - 2 : j - 2 + done].T
+                    j += done
+                    continue
+            rows = np.stack([self._embd.row(j - 2, int(c)) for c in last])
+            sums += rows
+            logits = self._step(j, [(seq, row[None], j) for seq, row in zip(seqs, rows)])
+            draws = samplers if native is None else [native.drawer(s, j - 2) for s in range(n)]
+            last[:] = [self._draw(j, sample, row) for sample, row in zip(draws, logits)]
             codes[:, j] = last
+            j += 1
         sums += np.stack([self._embd.row(self.n_groups - 1, int(c)) for c in last])
         return codes, sums
 

@@ -1,7 +1,8 @@
-/* A code-predictor step in one call, the GIL released throughout: each stream's input row is
-   the table row of its last code (added to its running sum: the talker's next input), the
-   step's other inputs are copied from arrays made once, the graph runs, and each stream's next
-   code is drawn from its logits (sampler.c). In Python the same work between two graph runs
+/* The code predictor's steps in C (a frame's in one call: kz_code_run), the GIL released
+   throughout. A step: each stream's input row is the table row of its last code (added to its
+   running sum: the talker's next input), the step's other inputs are copied from arrays made
+   once, the graph runs, and each stream's next code is drawn from its logits (sampler.c). In
+   Python the same work between two graph runs
    took ~0.2 ms a step on two quiet cores and more beside the codec decoder, whose Python
    holds the GIL at times (code_predictor.py). The numbers are those of the Python steps: the
    rows dequantized as numpy does (a float32 product per element), the draw sampler.c's. */
@@ -121,6 +122,33 @@ int kz_code_step(struct kz_code_step *s) {
             return 2;
         }
         s->codes[r] = code;
+    }
+    return 0;
+}
+
+/* A frame's steps done..count - 1 in one call (the GIL released throughout), steps[0] the
+   first: step i draws with the streams' uniforms[i rows ..] and leaves its codes at out[i
+   rows ..]. Before each step
+   but the call's first, 3 is returned (with `done` the steps run) once *changes no longer reads
+   `seen`: the cores were lent or given back, or a stream waits to begin, and the caller
+   chooses the next steps' threads again. Else 0, or the failed step's kz_code_step result. */
+struct kz_code_run {
+    struct kz_code_step *steps; /* [count - done at the call] */
+    int64_t count, done;
+    const double *uniforms; /* [count, rows] */
+    int64_t *out;           /* [count, rows] */
+    const int64_t *changes;
+    int64_t seen;
+};
+
+int kz_code_run(struct kz_code_run *run) {
+    for (const int64_t first = run->done; run->done < run->count; run->done++) {
+        if (run->done > first && __atomic_load_n(run->changes, __ATOMIC_ACQUIRE) != run->seen) return 3;
+        struct kz_code_step *s = &run->steps[run->done - first];
+        for (int64_t r = 0; r < s->rows; r++) s->draws[r].uniform = run->uniforms[run->done * s->rows + r];
+        const int result = kz_code_step(s);
+        if (result != 0) return result;
+        memcpy(run->out + run->done * s->rows, s->codes, (size_t)s->rows * sizeof(int64_t));
     }
     return 0;
 }

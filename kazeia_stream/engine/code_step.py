@@ -1,15 +1,20 @@
-"""The code predictor's steps after its first, each in one C call (`code_step.c`): the input
-rows from the table, the graph's run and the draws, the GIL released throughout. Where the
-kernel was not built, or a table's type is not one it reads, or `KAZEIA_CODE_STEP=0`, the code
-predictor's Python steps run instead (the same numbers: tested)."""
+"""The code predictor's steps after its first, in C (`code_step.c`): each step's input rows
+from the table, its graph's run and its draws, the GIL released throughout; a frame's steps in
+one call, until the cores' sharing changes (`SharedCores.changes`: the decoder takes or gives
+back a core, a stream waits to begin), where the caller chooses the threads again and goes on.
+Between one call a step, Python took 105-151 us a step, 1.5-1.7 ms a frame (the Xeon with
+AMX); the generator alone now takes 38.9-39.7 ms a frame in the code predictor against
+40.5-42.1 (docs/measurements.md, "2026-12-06, afternoon"). Where the kernel was not built, or a
+table's type is not one it reads, or `KAZEIA_CODE_STEP=0`, the code predictor's Python steps
+run instead (the same numbers: tested)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import weakref
-from collections.abc import Sequence
-from functools import cache
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
@@ -64,11 +69,11 @@ class _Step(ctypes.Structure):
 
 @cache
 def kernel() -> Any:
-    """The library (`kz_code_step`, `kz_code_step_row`), where it was built and `ENV` does not
+    """The library (`kz_code_run`, `kz_code_step_row`), where it was built and `ENV` does not
     turn it off (read at the first use); else None."""
     lib: Any = None if os.environ.get(ENV) == "0" else native.library("code_step")
     if lib is not None:
-        lib.kz_code_step.argtypes, lib.kz_code_step.restype = [ctypes.POINTER(_Step)], ctypes.c_int
+        lib.kz_code_run.argtypes, lib.kz_code_run.restype = [ctypes.c_void_p], ctypes.c_int
         row_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.kz_code_step_row.argtypes, lib.kz_code_step_row.restype = row_args, ctypes.c_int
     return lib
@@ -92,11 +97,28 @@ def _copies_of(replay: Replay) -> ctypes.Array[_Copy]:
     return copies
 
 
+class _Run(ctypes.Structure):
+    """struct kz_code_run."""
+
+    _p = ctypes.c_void_p
+    _fields_ = [
+        ("steps", _p),
+        ("count", ctypes.c_int64),
+        ("done", ctypes.c_int64),
+        ("uniforms", _p),
+        ("out", _p),
+        ("changes", _p),
+        ("seen", ctypes.c_int64),
+    ]
+
+
 class CodeSteps:
     """One frame's steps for a group of streams: each step writes the rows of their last codes
     from one of the `tables` [tables, rows, width] (stored as `table_type`, one of the kernel's
-    `TYPES`), adds them to `sums` [streams, width] (in place), runs the replay and draws the
-    streams' next `codes` [streams] (int64, in place) with their samplers."""
+    `TYPES`), adds them to `sums` [streams, width] (in place), runs its replay and draws the
+    streams' next `codes` [streams] (int64, in place) with their samplers. The uniforms of a
+    sampling stream's draws are drawn ahead for all the frame's steps (the ones its generator
+    would give step by step), so that steps run in C and in Python draw alike (`drawer`)."""
 
     def __init__(
         self,
@@ -106,13 +128,19 @@ class CodeSteps:
         tables: np.ndarray,
         table_type: QType,
     ) -> None:
-        self._samplers, self.codes, self.sums, self._tables = samplers, codes, sums, tables
+        self.codes, self.sums, self._tables = codes, sums, tables
         self._table0, self._table_size = native.data(tables), tables.strides[0]
+        steps = len(tables)
+        self.uniforms = np.zeros((steps, len(samplers)))  # [step, stream]
         self._draws = (_Draw * len(samplers))()
-        for draw, sampler in zip(self._draws, samplers):
+        for s, (draw, sampler) in enumerate(zip(self._draws, samplers)):
             p = sampler.params
             draw.temperature, draw.top_p, draw.top_k = p.temperature, p.top_p, p.top_k
             draw.greedy = not p.do_sample
+            if p.do_sample:
+                self.uniforms[:, s] = sampler.rng.random(steps)
+        self._samplers = samplers
+        self.out = np.empty((steps, len(samplers)), np.int64)  # each step's codes, as `run` left them
         self._step = _Step(
             compute=_compute(),
             rows=len(samplers),
@@ -123,19 +151,35 @@ class CodeSteps:
             table_type=int(table_type),
         )
 
-    def __call__(self, replay: Replay, threads: int, table: int) -> None:
-        """One step: the rows from table `table`, the replay on `threads`."""
-        s = self._step
-        copies = _copies_of(replay)
-        s.graph, s.plan = replay.graph.graph, ctypes.addressof(replay.graph.plan(threads))
-        s.copies, s.n_copies = ctypes.addressof(copies), len(copies)
-        s.x, s.logits, s.vocab = native.data(replay.x), native.data(replay.logits), replay.logits.shape[1]
-        s.table = self._table0 + table * self._table_size
-        for draw, sampler in zip(self._draws, self._samplers):
-            if not draw.greedy:
-                draw.uniform = sampler.rng.random()
-        result = kernel().kz_code_step(ctypes.byref(s))
+    def drawer(self, stream: int, step: int) -> Callable[[np.ndarray], int]:
+        """Stream `stream`'s draw at step `step` (of `tables`) in Python, with its uniform."""
+        return partial(self._samplers[stream].with_uniform, uniform=float(self.uniforms[step, stream]))
+
+    def run(self, replays: Sequence[Replay], threads: int, first: int, changes: np.ndarray, seen: int) -> int:
+        """Steps first, first + 1, .. (of `tables`), one per replay, in one C call on `threads`,
+        until they are done or `changes` [1] no longer reads `seen` (then the caller chooses
+        the threads again): the steps run (their codes in `out`)."""
+        steps = (_Step * len(replays))()
+        for i, (step, replay) in enumerate(zip(steps, replays)):
+            ctypes.pointer(step)[0] = self._step
+            copies = _copies_of(replay)
+            step.graph, step.plan = replay.graph.graph, ctypes.addressof(replay.graph.plan(threads))
+            step.copies, step.n_copies = ctypes.addressof(copies), len(copies)
+            step.x, step.logits = native.data(replay.x), native.data(replay.logits)
+            step.vocab = replay.logits.shape[1]
+            step.table = self._table0 + (first + i) * self._table_size
+        run = _Run(
+            steps=ctypes.addressof(steps),
+            count=first + len(replays),
+            done=first,
+            uniforms=native.data(self.uniforms),
+            out=native.data(self.out),
+            changes=native.data(changes),
+            seen=seen,
+        )
+        result = kernel().kz_code_run(ctypes.byref(run))
         if result == 1:
-            raise RuntimeError(f"ggml_graph_compute failed ({s.status})")
+            raise RuntimeError(f"ggml_graph_compute failed ({steps[run.done - first].status})")
         if result == 2:
             raise ValueError("nothing to draw: every logit is -inf")
+        return int(run.done) - first

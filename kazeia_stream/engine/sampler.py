@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,7 +36,13 @@ def _kernel() -> Callable[..., int] | None:
     return fn
 
 
-def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> int:
+class Uniforms(Protocol):
+    """Where a draw takes its uniform in [0, 1): a numpy generator, or one drawn ahead."""
+
+    def random(self) -> float: ...
+
+
+def warp_and_draw(logits: np.ndarray, p: Sampling, rng: Uniforms) -> int:
     """Temperature, top-k, top-p (Hugging Face's warpers, in that order; ties at the top-p cut
     in index order), then a draw: the draw of `rng.choice(len(probs), p=probs)`. On our C
     kernel where it was built (`sampler.c`: the same steps on the kept entries only; between
@@ -54,7 +60,7 @@ def warp_and_draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> 
     return code
 
 
-def _draw(logits: np.ndarray, p: Sampling, rng: np.random.Generator) -> int:
+def _draw(logits: np.ndarray, p: Sampling, rng: Uniforms) -> int:
     """`warp_and_draw` in numpy: `rng.choice`'s own steps on the warped scores in place; -1
     where every logit is -inf (as the kernel returns)."""
     scores = logits.astype(np.float64)
@@ -89,6 +95,21 @@ class CodeSampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         return warp_and_draw(logits, self.params, self.rng)
+
+    def with_uniform(self, logits: np.ndarray, uniform: float) -> int:
+        """The draw `__call__` makes where its generator's next uniform is `uniform` (one drawn
+        ahead: `code_step.CodeSteps`)."""
+        return warp_and_draw(logits, self.params, _Drawn(uniform))
+
+
+class _Drawn:
+    """A uniform drawn ahead, where a draw takes its generator's next (`rng.random()`)."""
+
+    def __init__(self, uniform: float) -> None:
+        self._uniform = uniform
+
+    def random(self) -> float:
+        return self._uniform
 
 
 class TalkerSampler:

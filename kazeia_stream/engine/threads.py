@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import UsageError
 
 # The codec decoder's GEMMs are many and small: OpenBLAS threads spinning after each one take
@@ -152,11 +154,28 @@ class SharedCores:
     def __init__(self, count: int, others: OthersLoad | None = None) -> None:
         self.count = count  # the cores the engines were given
         self.lent = 0  # held by the decoder's pass running
-        self.asked = 0  # set aside for a decode that waits for its pass
+        self._asked = 0  # set aside for a decode that waits for its pass (`asked`)
         self.others = others or OthersLoad()
         self._taken = 0  # the cores others held at the last reading
         self._alone = 0  # passes running that the graphs' calls wait for
         self._changed = threading.Condition()
+        # how often the cores were lent, given back, set aside or taken alone, or a stream came
+        # to begin (`changed`): the code predictor's steps in C run until it moves (code_step)
+        self.changes = np.zeros(1, np.int64)
+
+    def changed(self) -> None:
+        """Something that may change a graph call's threads, or a stream that waits to begin
+        between the code predictor's steps (the generator's scheduler)."""
+        self.changes[0] += 1
+
+    @property
+    def asked(self) -> int:
+        return self._asked
+
+    @asked.setter
+    def asked(self, n: int) -> None:
+        self._asked = n
+        self.changed()
 
     def taken(self) -> int:
         """The cores other processes hold now, of those the engines were given (all but one)."""
@@ -191,10 +210,12 @@ class SharedCores:
         with self._changed:
             self.lent += n
             self._alone += alone
+            self.changed()
         try:
             yield n
         finally:
             with self._changed:
                 self.lent -= n
                 self._alone -= alone
+                self.changed()
                 self._changed.notify_all()
