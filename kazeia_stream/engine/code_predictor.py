@@ -208,7 +208,8 @@ class CodePredictor:
         native = None
         ours = [s for s in samplers if isinstance(s, CodeSampler)]
         if code_step.kernel() is not None and self._embd.qtype in code_step.TYPES and len(ours) == n:
-            native = code_step.CodeSteps(ours, last, sums, self._embd.raw, self._embd.qtype)
+            # the steps' tables: the last one's rows are added after the frame's last draw
+            native = code_step.CodeSteps(ours, last, sums, self._embd.raw[:-1], self._embd.qtype)
         cores, j = self.lm.cores, 2
         while j <= self.n_groups:
             if between is not None:
