@@ -2,9 +2,8 @@
    throughout. A step: each stream's input row is the table row of its last code (added to its
    running sum: the talker's next input), the step's other inputs are copied from arrays made
    once, the graph runs, and each stream's next code is drawn from its logits (sampler.c). In
-   Python the same work between two graph runs
-   took ~0.2 ms a step on two quiet cores and more beside the codec decoder, whose Python
-   holds the GIL at times (code_predictor.py). The numbers are those of the Python steps: the
+   Python the same work between two graph runs took ~0.2 ms a step on two quiet cores and more
+   beside the codec decoder, whose Python holds the GIL at times (code_predictor.py). The numbers are those of the Python steps: the
    rows dequantized as numpy does (a float32 product per element), the draw sampler.c's. */
 
 #include <stdint.h>
@@ -128,10 +127,10 @@ int kz_code_step(struct kz_code_step *s) {
 
 /* A frame's steps done..count - 1 in one call (the GIL released throughout), steps[0] the
    first: step i draws with the streams' uniforms[i rows ..] and leaves its codes at out[i
-   rows ..]. Before each step
-   but the call's first, 3 is returned (with `done` the steps run) once *changes no longer reads
-   `seen`: the cores were lent or given back, or a stream waits to begin, and the caller
-   chooses the next steps' threads again. Else 0, or the failed step's kz_code_step result. */
+   rows ..]. Before each step but the call's first, 3 is returned (with `done` the steps run)
+   once *changes no longer reads `seen`: the cores were lent or given back, or a stream waits to
+   begin, and the caller chooses the next steps' threads again. Else 0, or the failed step's
+   kz_code_step result. */
 struct kz_code_run {
     struct kz_code_step *steps; /* [count - done at the call] */
     int64_t count, done;

@@ -468,8 +468,9 @@ class Qwen3LM:
         residual: Tensor | None = None,
     ) -> Tensor:
         """Weight `name` times the columns of x [in, rows], in parts (first column, count);
-        `index`: which matrix of a stacked weight each column takes; `norm`: the weight of an
-        RMS norm each column takes first; `residual` [out, rows]: added to the product.
+        `index`: which matrix of a stacked weight each column takes; `norm` (on our kernels
+        only: `_layer`'s `products`): the weight of an RMS norm each column takes first;
+        `residual` [out, rows]: added to the product.
 
         A Q8_0, Q4_K, Q5_K or Q6_K matrix, or a stack (the code predictor's heads), multiplies
         every column at once on our kernel of its type, where it runs (`q8_product`,
@@ -482,14 +483,13 @@ class Qwen3LM:
         46 against 57 ms for the talker's products); on a Xeon of family 6 model 207 all
         together was faster (130-143 against 178-182 ms). Else each part is multiplied alone,
         as it would be without the others. Our kernels apply the norm and add the residual
-        in their operation (ggml's numbers: tested); else they are ggml's operations."""
+        in their operation (ggml's numbers: tested); else the residual is ggml's add."""
         w, width, rows = self.weights[name], dims(x)[0], dims(x)[1]
-        kernel, eps = product_kernel(w), self.config.rms_norm_eps
+        kernel = product_kernel(w)
         if kernel is not None:  # all rows at once: each row's numbers its own
-            scaled = None if norm is None else (self.weights[norm], eps)
+            scaled = None if norm is None else (self.weights[norm], self.config.rms_norm_eps)
             return kernel.product(g, w, x, ids=index, norm=scaled, residual=residual)
-        if norm is not None:
-            x = g.mul(g.rms_norm(x, eps), self.weights[norm])
+        assert norm is None, "only our kernels norm their rows"
         if index is not None:
             x = g.reshape(x, width, 1, rows)  # mul_mat_id takes [in, 1, rows]
         if rows > 1 and columns_agree(w):

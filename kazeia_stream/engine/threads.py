@@ -174,8 +174,9 @@ class SharedCores:
 
     @asked.setter
     def asked(self, n: int) -> None:
-        self._asked = n
-        self.changed()
+        if n != self._asked:  # set again to the same (`Decoder._unask`): no change
+            self._asked = n
+            self.changed()
 
     def taken(self) -> int:
         """The cores other processes hold now, of those the engines were given (all but one)."""
