@@ -216,12 +216,18 @@ def median(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_pipeline_bench(
-    runtime: Runtime, frames: int, repeat: int = 1, voice: VoiceArg = None, seed: int = 0
+    runtime: Runtime,
+    frames: int,
+    repeat: int = 1,
+    voice: VoiceArg = None,
+    seed: int = 0,
+    live: bool = True,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The same figures measured through the actor pipeline (decoder overlapping the
     generator), for `repeat` utterances in one session, each with the floors measured right
     after it (`floors`) and a warm-up (see the module's docstring), plus each one's per-frame
-    trace.
+    trace. `live`: spoken for a listener who hears it as it comes (`Session.speak`'s); else as
+    for a file.
     `voice` defaults to the model's first built-in speaker."""
     results, traces = [], []
     voice = voice or runtime.model.default_voice
@@ -232,7 +238,7 @@ async def run_pipeline_bench(
                 async for _chunk in warm_up:
                     warm_up.cancel()  # barge-in at its first audio
             busy = _busy_s(runtime)
-            utterance = tts.speak(BENCH_TEXT)
+            utterance = tts.speak(BENCH_TEXT, live=live)
             async for _chunk in utterance:
                 pass
             m = utterance.metrics

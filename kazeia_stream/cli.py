@@ -378,7 +378,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         from .bench import run_pipeline_bench
 
-        results, traces = trio.run(run_pipeline_bench, runtime, args.frames, args.repeat, voice)
+        results, traces = trio.run(
+            run_pipeline_bench, runtime, args.frames, args.repeat, voice, 0, not args.offline
+        )
         if args.trace:
             Path(args.trace).write_text(json.dumps(traces if args.repeat > 1 else traces[0]))
         result = median(results)
@@ -443,6 +445,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--pipeline",
         action="store_true",
         help="measure through the streaming actor pipeline (decoder overlapping)",
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="with --pipeline: speak as for a file (-o), the decoder holding frames back to push "
+        "several at once; default: for a listener who hears the audio as it comes (--pipe)",
     )
     p.add_argument(
         "--repeat",

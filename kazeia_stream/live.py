@@ -52,7 +52,7 @@ async def write_file(runtime: Runtime, text: str, path: str, **session: Any) -> 
     progress = Progress(rate)
     with AudioFileWriter(path, rate) as out:  # a bad target fails before any work
         async with runtime.open(**session) as tts:
-            async for chunk in tts.speak(text):
+            async for chunk in tts.speak(text, live=False):
                 out.write(chunk.pcm)
                 progress.update(out.frames)
     progress.close(f"wrote {path}: {out.frames / rate:.2f} s")

@@ -39,6 +39,7 @@ from .model.segments import split_text
 from .model.voice import Voice
 from .scheduler import Admission, Decoder, Generator
 from .session import Session, single_errors
+from .stages.decoder import MAX_PUSH
 
 # A segment shorter than this many bytes could not hold a sentence: the instruction is too long.
 MIN_SEGMENT_BYTES = 16
@@ -240,10 +241,12 @@ class Runtime:
         instruct: str | None = None,
         text_streaming: bool = False,
         options: GenerationOptions = GenerationOptions(),
+        live: bool = True,
     ) -> Iterator[np.ndarray]:
         """The PCM of each frame, decoded as soon as it is generated, while the next frame is
-        generated (as a session's actors overlap them). A long text is spoken as segments
-        (`model.segments`), each its own utterance, back to back."""
+        generated (as a session's actors overlap them); not `live` (nobody hears it as it
+        comes), of up to `MAX_PUSH` frames at a time after the first. A long text is spoken
+        as segments (`model.segments`), each its own utterance, back to back."""
         probe = self.probe(voice, language, instruct)
         segments = split_text(text, self.max_segment_bytes(probe))
         if not segments:
@@ -259,11 +262,16 @@ class Runtime:
                 try:
                     decoder = None  # made once a frame exists: the decoder may still be loading
                     while (codes := asked.wait()) is not None:
+                        push = [codes]
                         asked = self.generator.next_frame_later(state)  # generated meanwhile
+                        if not live and decoder is not None:  # held back, as `decode_frames` does
+                            while len(push) < MAX_PUSH and (codes := asked.wait()) is not None:
+                                push.append(codes)
+                                asked = self.generator.next_frame_later(state)
                         first = decoder is None
                         if decoder is None:
                             decoder = self.decoder_state(voice)
-                        yield self.decoder.decode_sync(decoder, codes[None], first)
+                        yield self.decoder.decode_sync(decoder, np.stack(push), first)
                 finally:
                     self.generator.forget(asked)
                     self.generator.finish(state)
@@ -290,6 +298,7 @@ class Runtime:
                 instruct=instruct,
                 text_streaming=text_streaming,
                 options=GenerationOptions(seed=seed, **options),
+                live=False,
             )
         )
         audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

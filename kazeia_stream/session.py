@@ -52,10 +52,11 @@ class Utterance:
         self,
         text: str | AsyncIterable[str],
         options: GenerationOptions,
+        live: bool,
         sample_rate: int,
         on_iterate: Callable[[Utterance], None],
     ) -> None:
-        self.text, self.options = text, options
+        self.text, self.options, self.live = text, options, live
         self._on_iterate = on_iterate
         self.iterated = False
         self._send, self._receive = trio.open_memory_channel[AudioChunk](AUDIO_BUFFER)
@@ -114,10 +115,14 @@ class Session:
         self._queue, queue = trio.open_memory_channel[Utterance](math.inf)
         nursery.start_soon(self._speaker, queue)
 
-    def speak(self, text: str | AsyncIterable[str], *, seed: int | None = None) -> Utterance:
-        """Queue `text` to be spoken after the utterances asked for before it; return it."""
+    def speak(
+        self, text: str | AsyncIterable[str], *, seed: int | None = None, live: bool = True
+    ) -> Utterance:
+        """Queue `text` to be spoken after the utterances asked for before it; return it.
+        `live=False`: nobody hears the audio as it comes (a file, a whole response), so the
+        decoder may hold frames back to push several at once (faster; see `decode_frames`)."""
         options = self.options if seed is None else replace(self.options, seed=seed)
-        utterance = Utterance(text, options, self.model.sample_rate, self._moved_on)
+        utterance = Utterance(text, options, live, self.model.sample_rate, self._moved_on)
         self._pending.append(utterance)
         self._queue.send_nowait(utterance)
         return utterance
@@ -200,6 +205,7 @@ class Session:
                 utt._send.clone(),
                 utt.metrics,
                 first_audio,
+                utt.live,
             )
 
 

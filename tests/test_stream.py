@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -11,11 +12,12 @@ import trio
 
 import kazeia_stream
 from kazeia_stream import UsageError
+from kazeia_stream.channels import UtteranceMetrics
 from kazeia_stream.engine.codec import CodecDecoder
 from kazeia_stream.engine.frames import FrameLoop, GenerationOptions
 from kazeia_stream.engine.ggml_graph import Graph
 from kazeia_stream.session import AUDIO_BUFFER, FRAME_BUFFER
-from kazeia_stream.stages.decoder import MAX_PUSH
+from kazeia_stream.stages.decoder import LISTENER_MARGIN_S, MAX_PUSH, _hold_until
 
 TEXT = "Hello there, this is a tiny test of the streaming pipeline."
 
@@ -102,6 +104,74 @@ async def test_frames_queued_behind_a_slow_decoder_go_in_one_push_same_audio(run
     assert same_audio(np.concatenate([c.pcm for c in chunks]), offline)
 
 
+async def test_an_utterance_for_a_file_goes_max_push_frames_a_push_after_its_first(
+    runtime, offline, slow_decoder
+):
+    """Nobody hears it as it comes (`live=False`): the decoder waits for `MAX_PUSH` frames,
+    except for the first, which comes alone, and the last ones."""
+    pushes = slow_decoder(runtime, 0.0)
+    async with runtime.open(voice="ryan", seed=5) as tts:
+        chunks = [c async for c in tts.speak(TEXT, live=False)]
+    assert pushes == held_pushes(len(offline) // 1920)
+    assert [c.frame_index for c in chunks] == list(range(len(chunks)))  # a chunk a frame
+    assert same_audio(np.concatenate([c.pcm for c in chunks]), offline)
+
+
+def test_offline_synthesis_goes_max_push_frames_a_push_after_its_first(runtime, offline, monkeypatch):
+    pushes = []
+    decode = runtime.decoder.decode_sync
+
+    def counted(state, codes, first=False):
+        pushes.append(len(codes))
+        return decode(state, codes, first)
+
+    monkeypatch.setattr(runtime.decoder, "decode_sync", counted)
+    audio, _ = runtime.synthesize(TEXT, voice="ryan", seed=5, text_streaming=True)
+    assert pushes == held_pushes(len(offline) // 1920)
+    assert same_audio(audio, offline)
+    pushes.clear()
+    streamed = np.concatenate(
+        list(runtime.audio(TEXT, voice="ryan", text_streaming=True, options=GenerationOptions(seed=5)))
+    )
+    assert pushes == [1] * (len(offline) // 1920) and same_audio(streamed, offline)  # `live`
+
+
+def held_pushes(frames: int) -> list[int]:
+    """The frames of each push of an utterance of `frames` frames that nobody hears as it
+    comes: the first alone, then `MAX_PUSH` at a time."""
+    rest, last = divmod(frames - 1, MAX_PUSH)
+    return [1] + [MAX_PUSH] * rest + ([last] if last else [])
+
+
+async def test_a_live_listener_that_hears_faster_than_frames_come_gets_each_at_once(
+    runtime, offline, slow_decoder, monkeypatch
+):
+    """A generator slower than real time: the audio made never leads the listener, so no push
+    waits for a second frame (the decoder keeps up: none queues either)."""
+    pushes = slow_decoder(runtime, 0.0)
+    next_frame = runtime.generator.next_frame
+
+    async def slowed(state):
+        await trio.sleep(0.12)  # a frame is 80 ms of audio
+        return await next_frame(state)
+
+    monkeypatch.setattr(runtime.generator, "next_frame", slowed)
+    async with runtime.open(voice="ryan", seed=5, max_frames=8) as tts:
+        pcm = await collect(tts.speak(TEXT))
+    assert pushes == [1] * 8
+    assert same_audio(pcm, offline[: 8 * 1920])
+
+
+async def test_a_push_waits_for_more_frames_only_while_a_live_listener_has_enough_to_hear():
+    m = UtteranceMetrics(sample_rate=24000)
+    assert _hold_until(m, False, 0.05) == math.inf  # nobody listens as it comes
+    m.first_audio, m.samples = time.perf_counter() - 1.0, 2 * 24000  # 2 s made, 1 s heard
+    waits = _hold_until(m, True, 0.05) - trio.current_time()
+    assert waits == pytest.approx(1.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)
+    m.samples = 24000  # all heard: a push goes at once
+    assert _hold_until(m, True, 0.05) < trio.current_time()
+
+
 @pytest.mark.serial
 async def test_barge_in_stops_within_100_ms_and_the_session_goes_on(runtime, offline):
     async with runtime.open(voice="ryan", seed=5) as tts:
@@ -129,9 +199,8 @@ async def test_a_slow_consumer_holds_the_producers_back(runtime):
             await trio.sleep(0.02)
         # Frames generated but not consumed stay within the channel buffers, plus one in
         # flight in the generator and one push in the decoder (the frame that came and those
-        # queued behind it), whatever the consumer's pace.
-        push = min(MAX_PUSH, FRAME_BUFFER + 1)
-        assert max(ahead) <= FRAME_BUFFER + AUDIO_BUFFER + push + 1
+        # queued behind it or waited for), whatever the consumer's pace.
+        assert max(ahead) <= FRAME_BUFFER + AUDIO_BUFFER + MAX_PUSH + 1
 
 
 @pytest.mark.skipif(kazeia_stream.Threads.default().cores < 2, reason="lends a core: needs 2")

@@ -90,6 +90,13 @@ class UtteranceMetrics:
     def audio_s(self) -> float:
         return self.samples / self.sample_rate
 
+    def lead_s(self, now: float) -> float:
+        """Seconds of the audio made that a listener who has heard it in real time since the
+        first audio has still to hear at `now` (perf_counter seconds; negative: it ran dry)."""
+        if self.first_audio is None:
+            return 0.0
+        return self.audio_s - (now - self.first_audio)
+
     @property
     def ttfa_s(self) -> float | None:
         return None if self.first_audio is None else self.first_audio - self.started

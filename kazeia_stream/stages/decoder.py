@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -12,7 +14,10 @@ from ..channels import AudioChunk, Frame, UtteranceMetrics
 from ..engine.codec import DecoderState
 from ..scheduler import Decoder
 
-MAX_PUSH = 4  # frames a push takes at most (2, 3 and 4 cost about alike a frame)
+MAX_PUSH = 4  # frames a push takes at most: 0.32 s of audio held back, at most
+# A live listener keeps at least this much audio unheard when a push held back for more frames
+# comes out: what its own scheduling may take (a chunk's write, a sound server's period).
+LISTENER_MARGIN_S = 0.2
 
 
 async def decode_frames(
@@ -22,31 +27,33 @@ async def decode_frames(
     out: trio.MemorySendChannel[AudioChunk],
     metrics: UtteranceMetrics,
     first_audio: trio.Event,
+    live: bool = True,
 ) -> None:
     """Decode frames as they come, each segment from a new decoder state (`new_state()`: a
     fresh one, or one primed with an in-context voice's reference frames), one chunk of audio
     per frame.
 
-    A pass decodes the frame that came, and with it the frames of its segment that queued up
-    meanwhile (`MAX_PUSH` at most; they are late already: none waits for another), but never
-    an utterance's first: its audio comes alone, as soon as it can. A push of several frames
-    gives the same samples (the decoder's numbers do not depend on the push) and costs less a
-    frame (Zen 4, one stream: 45 ms a frame alone, 40 two at a time; `python -m
-    kazeia_stream.engine.codec MMPROJ 1 2`), which a decoder that falls behind the generator
-    gains (where it keeps up, every push takes one frame). An utterance's first frame is
-    decoded ahead of other streams' frames (alone, on every core, the generator waiting, when
-    no other stream runs). Sets `first_audio` once the first chunk exists, records the
-    decoder's trace (each frame its share of its push), the time of the first audio and the
-    samples produced."""
+    A push decodes up to `MAX_PUSH` frames of a segment at once. It reads the decoder's
+    weights once for all of them (Zen 4, one stream: 45 ms a frame alone, 40 two at a time;
+    the Xeon with AMX: 56 alone, 42 four at a time; `python -m kazeia_stream.engine.codec
+    MMPROJ 1 4`), so that frames queued behind a slow push always join the next, and a push
+    waits for more frames while the listener does not need its audio yet (`_hold_until`).
+    An utterance's first frame is never held: its audio comes alone, as soon as it can
+    (decoded ahead of other streams' frames, and alone, on every core, the generator waiting,
+    when no other stream runs). Pushes give the samples of one-frame pushes, bit for bit.
+    Sets `first_audio` once the first chunk exists, records the decoder's trace (each frame
+    its share of its push), the time of the first audio and the samples produced."""
     state: DecoderState | None = None
     held: Frame | None = None  # a queued frame of the next segment: the next push's first
+    share = 0.0  # seconds a frame took in the last push
     async with frames, out:
         while True:
             try:
                 batch = [held or await frames.receive()]
             except trio.EndOfChannel:
                 break
-            held = _queued(frames, batch) if metrics.first_audio is not None else None
+            if metrics.first_audio is not None:  # an utterance's first frame is never held
+                held = await _gather(frames, batch, _hold_until(metrics, live, share))
             if state is None or batch[0].new_segment:  # in a thread: it waits while the decoder loads
                 state = await trio.to_thread.run_sync(new_state)
             start = time.perf_counter()
@@ -64,15 +71,39 @@ async def decode_frames(
                 await out.send(AudioChunk(frame.index, chunk, metrics.sample_rate))
 
 
-def _queued(frames: trio.MemoryReceiveChannel[Frame], batch: list[Frame]) -> Frame | None:
-    """Add to `batch` the frames of its segment queued behind it, up to `MAX_PUSH` in all;
-    return a queued first frame of the next segment (the next push's first), if one came."""
+def _hold_until(metrics: UtteranceMetrics, live: bool, share: float) -> float:
+    """Until when (trio's clock) a push may wait for more frames: forever where nobody listens
+    as the audio comes (`live` false: a file, a whole response), else while the audio made
+    leads a listener who has heard it in real time since the first chunk by more than a
+    whole push of `share` seconds a frame and `LISTENER_MARGIN_S`. A listener that started
+    later (a player's pre-buffer) has more left to hear: this errs on the safe side."""
+    if not live:
+        return math.inf
+    lead = metrics.lead_s(time.perf_counter())
+    return trio.current_time() + lead - MAX_PUSH * share - LISTENER_MARGIN_S
+
+
+async def _gather(frames: trio.MemoryReceiveChannel[Frame], batch: list[Frame], until: float) -> Frame | None:
+    """Add to `batch` the frames of its segment that come before `until` (trio's clock; those
+    queued already whatever it is), up to `MAX_PUSH` in all; return a first frame of the next
+    segment (the next push's first), if one came."""
     while len(batch) < MAX_PUSH:
-        try:
-            frame = frames.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return None
-        if frame.new_segment:
+        frame = await _next(frames, until)
+        if frame is None or frame.new_segment:
             return frame
         batch.append(frame)
+    return None
+
+
+async def _next(frames: trio.MemoryReceiveChannel[Frame], until: float) -> Frame | None:
+    """The next frame, if one comes before `until` (one queued already comes whatever it is)
+    and the utterance has one."""
+    try:
+        return frames.receive_nowait()
+    except trio.WouldBlock:
+        pass
+    except trio.EndOfChannel:
+        return None
+    with trio.move_on_at(until), contextlib.suppress(trio.EndOfChannel):
+        return await frames.receive()  # cancelled, it takes nothing
     return None
