@@ -378,9 +378,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         from .bench import run_pipeline_bench
 
-        results, traces = trio.run(
-            run_pipeline_bench, runtime, args.frames, args.repeat, voice, 0, not args.offline
-        )
+        bench = functools.partial(run_pipeline_bench, live=not args.offline)
+        results, traces = trio.run(bench, runtime, args.frames, args.repeat, voice)
         if args.trace:
             Path(args.trace).write_text(json.dumps(traces if args.repeat > 1 else traces[0]))
         result = median(results)

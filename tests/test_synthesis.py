@@ -232,6 +232,21 @@ def test_pipeline_bench_repeats_and_reports_medians(tiny_gguf, tmp_path):
     )
 
 
+@pytest.mark.subprocess
+def test_pipeline_bench_offline_pushes_the_frames_after_the_first_four_at_a_time(tiny_gguf, tmp_path):
+    """`--offline` speaks as for a file: the decoder's trace gives each frame its share of its
+    push, so frames 1-4 of one push follow each other in equal shares."""
+    trace = tmp_path / "trace.json"
+    model = str(tiny_gguf("custom_voice")[0])
+    r = run_cli("bench", "--model", model, "--frames", "5", "--pipeline", "--offline", "--trace", str(trace))
+    assert r.returncode == 0, r.stderr.decode()
+    spans = json.loads(trace.read_text())["decoder"]
+    assert [f for f, *_ in spans] == list(range(5))
+    shares = [end - start for _, start, end in spans[1:]]
+    assert all(spans[i][2] == spans[i + 1][1] for i in range(1, 4))  # one push
+    assert max(shares) - min(shares) <= 2e-4  # equal shares, to the trace's rounding
+
+
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_each_bench_run_is_compared_with_a_floor_measured_right_after_it(tiny_runtime, monkeypatch, pipeline):
     """On a shared machine the floor moves with the neighbours' load: each run gets its own,
