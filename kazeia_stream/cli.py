@@ -386,7 +386,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         busy = sum(result["ms_per_frame"].values())
         overlap = statistics.median(t["overlap_s"] for t in traces)
         print(
-            f"pipeline: {1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
+            f"pipeline ({'as for a file' if args.offline else 'for a live listener'}): "
+            f"{1000 * result['wall_s'] / result['frames']:.1f} ms wall per frame vs "
             f"{busy:.1f} ms of stage time; decoder/generator overlap {overlap:.2f} s; "
             f"{_busy_line(result)}",
             file=sys.stderr,

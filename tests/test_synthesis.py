@@ -218,6 +218,7 @@ def test_pipeline_bench_repeats_and_reports_medians(tiny_gguf, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout.decode().strip().splitlines()[-1])
     assert result["frames"] == 5 and "medians of 3 runs" in r.stderr.decode()
+    assert "pipeline (for a live listener): " in r.stderr.decode()
     # each engine's thread worked for part of its utterance's wall time, and the line says so
     assert 0 < result["generator_busy"] <= 1.05 and 0 < result["decoder_busy"] <= 1.05
     busy = f"threads busy: generator {result['generator_busy']:.0%}, decoder {result['decoder_busy']:.0%}"
@@ -240,6 +241,7 @@ def test_pipeline_bench_offline_pushes_the_frames_after_the_first_four_at_a_time
     model = str(tiny_gguf("custom_voice")[0])
     r = run_cli("bench", "--model", model, "--frames", "5", "--pipeline", "--offline", "--trace", str(trace))
     assert r.returncode == 0, r.stderr.decode()
+    assert "pipeline (as for a file): " in r.stderr.decode()
     spans = json.loads(trace.read_text())["decoder"]
     assert [f for f, *_ in spans] == list(range(5))
     shares = [end - start for _, start, end in spans[1:]]
