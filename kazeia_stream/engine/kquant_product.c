@@ -27,7 +27,10 @@ typedef struct {
 
 /* Bytes ahead in the weights: on an Intel Xeon with AMX (family 6 model 167), one thread, one
    row, 2 KB read 12-14.5 GB/s on every variant where 8 KB read 9-12.7 (numpy 14; `python -m
-   kazeia_stream.engine.kquant_product --type q4_k --mb 400`, and q6_k). */
+   kazeia_stream.engine.kquant_product --type q4_k --mb 400`, and q6_k). Into the L2
+   (prefetcht1), which the Q8_0 kernel's AVX512 variant takes, read slower here: q4_k 4 KB
+   ahead 22.2-22.4 GB/s on two threads and 12.0-12.1 on one against 23.3-23.6 and 13.5-13.8,
+   2 KB ahead 22.6-23.3 and 12.9-13.4 against 23.6-24.5 and 13.7-14.0. */
 #define PREFETCH 2048
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
