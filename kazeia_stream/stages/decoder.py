@@ -14,7 +14,7 @@ from ..channels import AudioChunk, Frame, UtteranceMetrics
 from ..engine.codec import DecoderState
 from ..scheduler import Decoder
 
-MAX_PUSH = 4  # frames a push takes at most: 0.32 s of audio held back, at most
+MAX_PUSH = 4  # frames a push takes at most (0.32 s of audio)
 # A live listener keeps at least this much audio unheard when a push held back for more frames
 # comes out: what its own scheduling may take (a chunk's write, a sound server's period).
 LISTENER_MARGIN_S = 0.2
