@@ -33,7 +33,7 @@ async def speak_live(runtime: Runtime, text: str, *, device: str | int | None, *
     longest_s = frame_s * frame_cap(n_tokens, model.config.generation.max_new_tokens)
     with AudioPlayer(model.sample_rate, device=device) as player:
         async with runtime.open(**session) as tts:
-            utterance = tts.speak(text)
+            utterance = tts.speak(text, ahead=lambda: player.queued_seconds)
             await play(utterance, player, SECONDS_PER_TOKEN * n_tokens, longest_s)
             m = utterance.metrics
             log.info(

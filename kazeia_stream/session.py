@@ -53,10 +53,11 @@ class Utterance:
         text: str | AsyncIterable[str],
         options: GenerationOptions,
         live: bool,
+        ahead: Callable[[], float] | None,
         sample_rate: int,
         on_iterate: Callable[[Utterance], None],
     ) -> None:
-        self.text, self.options, self.live = text, options, live
+        self.text, self.options, self.live, self.ahead = text, options, live, ahead
         self._on_iterate = on_iterate
         self.iterated = False
         self._send, self._receive = trio.open_memory_channel[AudioChunk](AUDIO_BUFFER)
@@ -116,13 +117,21 @@ class Session:
         nursery.start_soon(self._speaker, queue)
 
     def speak(
-        self, text: str | AsyncIterable[str], *, seed: int | None = None, live: bool = True
+        self,
+        text: str | AsyncIterable[str],
+        *,
+        seed: int | None = None,
+        live: bool = True,
+        ahead: Callable[[], float] | None = None,
     ) -> Utterance:
         """Queue `text` to be spoken after the utterances asked for before it; return it.
         `live=False`: nobody hears the audio as it comes (a file, a whole response), so the
-        decoder may hold frames back to push several at once (faster; see `decode_frames`)."""
+        decoder may hold frames back to push several at once (faster; see `decode_frames`);
+        live, it does while the listener has enough left to hear: `ahead()` seconds where it
+        says (a player's queue), else as if it heard the audio in real time from its first
+        chunk."""
         options = self.options if seed is None else replace(self.options, seed=seed)
-        utterance = Utterance(text, options, live, self.model.sample_rate, self._moved_on)
+        utterance = Utterance(text, options, live, ahead, self.model.sample_rate, self._moved_on)
         self._pending.append(utterance)
         self._queue.send_nowait(utterance)
         return utterance
@@ -206,6 +215,7 @@ class Session:
                 utt.metrics,
                 first_audio,
                 utt.live,
+                utt.ahead,
             )
 
 

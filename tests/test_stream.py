@@ -143,11 +143,14 @@ def held_pushes(frames: int) -> list[int]:
     return [1] + [MAX_PUSH] * rest + ([last] if last else [])
 
 
-async def test_a_live_listener_that_hears_faster_than_frames_come_gets_each_at_once(
-    runtime, offline, slow_decoder, monkeypatch
+@pytest.mark.parametrize("ahead", [None, 0.0, 10.0])
+async def test_a_live_listener_of_a_slow_generator_gets_each_frame_at_once_unless_it_has_enough_ahead(
+    runtime, offline, slow_decoder, monkeypatch, ahead
 ):
-    """A generator slower than real time: the audio made never leads the listener, so no push
-    waits for a second frame (the decoder keeps up: none queues either)."""
+    """A generator slower than real time: the audio made never leads a listener who hears it
+    in real time from its first chunk (`ahead` None), nor one that says it has nothing left
+    (0 s), so no push waits for a second frame (the decoder keeps up: none queues either);
+    one that says it has 10 s left to hear (a player's long queue) gets them four at a time."""
     pushes = slow_decoder(runtime, 0.0)
     next_frame = runtime.generator.next_frame
 
@@ -157,8 +160,8 @@ async def test_a_live_listener_that_hears_faster_than_frames_come_gets_each_at_o
 
     monkeypatch.setattr(runtime.generator, "next_frame", slowed)
     async with runtime.open(voice="ryan", seed=5, max_frames=8) as tts:
-        pcm = await collect(tts.speak(TEXT))
-    assert pushes == [1] * 8
+        pcm = await collect(tts.speak(TEXT, ahead=None if ahead is None else lambda: ahead))
+    assert pushes == ([1] * 8 if not ahead else held_pushes(8))
     assert same_audio(pcm, offline[: 8 * 1920])
 
 
@@ -170,6 +173,8 @@ async def test_a_push_waits_for_more_frames_only_while_a_live_listener_has_enoug
     assert waits == pytest.approx(1.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)
     m.samples = 24000  # all heard: a push goes at once
     assert _hold_until(m, True, 0.05) < trio.current_time()
+    waits = _hold_until(m, True, 0.05, ahead=lambda: 3.0) - trio.current_time()  # a player's queue
+    assert waits == pytest.approx(3.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)
 
 
 @pytest.mark.serial

@@ -28,6 +28,7 @@ async def decode_frames(
     metrics: UtteranceMetrics,
     first_audio: trio.Event,
     live: bool = True,
+    ahead: Callable[[], float] | None = None,
 ) -> None:
     """Decode frames as they come, each segment from a new decoder state (`new_state()`: a
     fresh one, or one primed with an in-context voice's reference frames), one chunk of audio
@@ -53,7 +54,7 @@ async def decode_frames(
             except trio.EndOfChannel:
                 break
             if metrics.first_audio is not None:  # an utterance's first frame is never held
-                held = await _gather(frames, batch, _hold_until(metrics, live, share))
+                held = await _gather(frames, batch, _hold_until(metrics, live, share, ahead))
             if state is None or batch[0].new_segment:  # in a thread: it waits while the decoder loads
                 state = await trio.to_thread.run_sync(new_state)
             start = time.perf_counter()
@@ -71,15 +72,17 @@ async def decode_frames(
                 await out.send(AudioChunk(frame.index, chunk, metrics.sample_rate))
 
 
-def _hold_until(metrics: UtteranceMetrics, live: bool, share: float) -> float:
+def _hold_until(
+    metrics: UtteranceMetrics, live: bool, share: float, ahead: Callable[[], float] | None = None
+) -> float:
     """Until when (trio's clock) a push may wait for more frames: forever where nobody listens
-    as the audio comes (`live` false: a file, a whole response), else while the audio made
-    leads a listener who has heard it in real time since the first chunk by more than a
-    whole push of `share` seconds a frame and `LISTENER_MARGIN_S`. A listener that started
-    later (a player's pre-buffer) has more left to hear: this errs on the safe side."""
+    as the audio comes (`live` false: a file, a whole response), else while the listener has
+    more left to hear than a whole push of `share` seconds a frame and `LISTENER_MARGIN_S`:
+    `ahead()` seconds where it says (a player's queue), else what a listener who has heard
+    the audio in real time since its first chunk has left."""
     if not live:
         return math.inf
-    lead = metrics.lead_s(time.perf_counter())
+    lead = ahead() if ahead is not None else metrics.lead_s(time.perf_counter())
     return trio.current_time() + lead - MAX_PUSH * share - LISTENER_MARGIN_S
 
 
