@@ -218,8 +218,8 @@ class CodePredictor:
                 seen = int(cores.changes[0])  # before the threads are chosen
                 threads = cores.threads(self.lm.threads)
                 left = [self.lm.replay(seqs, i, "head", i - 1, threads) for i in range(j, self.n_groups + 1)]
-                if all(replay is not None for replay in left):
-                    replays = [r for r in left if r is not None]
+                replays = [r for r in left if r is not None]
+                if len(replays) == len(left):  # none missing
                     done = native.run(replays, threads, j - 2, cores.changes, seen)
                     codes[:, j : j + done] = native.out[j - 2 : j - 2 + done].T
                     j += done

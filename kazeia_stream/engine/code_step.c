@@ -3,8 +3,9 @@
    running sum: the talker's next input), the step's other inputs are copied from arrays made
    once, the graph runs, and each stream's next code is drawn from its logits (sampler.c). In
    Python the same work between two graph runs took ~0.2 ms a step on two quiet cores and more
-   beside the codec decoder, whose Python holds the GIL at times (code_predictor.py). The numbers are those of the Python steps: the
-   rows dequantized as numpy does (a float32 product per element), the draw sampler.c's. */
+   beside the codec decoder, whose Python holds the GIL at times (code_predictor.py). The
+   numbers are those of the Python steps: the rows dequantized as numpy does (a float32
+   product per element), the draw sampler.c's. */
 
 #include <stdint.h>
 #include <string.h>
