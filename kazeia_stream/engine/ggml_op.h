@@ -113,16 +113,17 @@ struct layout {
 typedef void tile_fn(const void *w, int64_t nb, size_t q_row, size_t d_row, int n, const int8_t *q,
                      const float *d, float *dst, size_t dst_row, int64_t r0, int64_t r1);
 
-/* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. */
-#define TILE(target, name, rows)                                                                \
+/* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. Any
+   further arguments go to `rows` after the tile's, as constants of each body. */
+#define TILE(target, name, rows, ...)                                                           \
     target static void name(const void *w, int64_t nb, size_t q_row, size_t d_row, int n,       \
                             const int8_t *q, const float *d, float *dst, size_t dst_row,        \
                             int64_t r0, int64_t r1) {                                           \
         switch (n) {                                                                            \
-        case 1: rows(w, nb, q_row, d_row, 1, q, d, dst, dst_row, r0, r1); break;                \
-        case 2: rows(w, nb, q_row, d_row, 2, q, d, dst, dst_row, r0, r1); break;                \
-        case 3: rows(w, nb, q_row, d_row, 3, q, d, dst, dst_row, r0, r1); break;                \
-        default: rows(w, nb, q_row, d_row, ROWS, q, d, dst, dst_row, r0, r1); break;            \
+        case 1: rows(w, nb, q_row, d_row, 1, q, d, dst, dst_row, r0, r1, ##__VA_ARGS__); break; \
+        case 2: rows(w, nb, q_row, d_row, 2, q, d, dst, dst_row, r0, r1, ##__VA_ARGS__); break; \
+        case 3: rows(w, nb, q_row, d_row, 3, q, d, dst, dst_row, r0, r1, ##__VA_ARGS__); break; \
+        default: rows(w, nb, q_row, d_row, ROWS, q, d, dst, dst_row, r0, r1, ##__VA_ARGS__);    \
         }                                                                                       \
     }
 

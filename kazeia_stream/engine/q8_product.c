@@ -20,13 +20,16 @@ typedef struct {
 } __attribute__((packed)) block_q8_0;
 
 /* Bytes ahead in the weights that each variant prefetches, so that one core reads at the
-   memory's speed. The AVX512 variant prefetches a group's five lines at once, into the L2
-   (prefetcht1: the L2's queue of misses is longer than the L1's), 4 KB ahead: an Intel Xeon
-   with AMX (family 6 model 167) read 26.5-27.4 GB/s on two threads, as numpy's max does,
-   where into the L1 2 KB ahead it read 22.4-23.0, and 14.5-15.2 on one thread against
-   14.8-15.5 (`python -m kazeia_stream.engine.q8_product --mb 400`); into the L1 8 KB ahead it
-   read 10 GB/s on one thread. Zen 4 read as fast into the L1 at 2 and 8 KB. */
-#define PREFETCH512 4096
+   memory's speed. The AVX512 variant prefetches a group's five lines at once. On Intel, into
+   the L2 (prefetcht1: the L2's queue of misses is longer than the L1's), 4 KB ahead: a Xeon with
+   AMX (family 6 model 167) read 26.5-27.4 GB/s on two threads, as numpy's max does, where into
+   the L1 2 KB ahead it read 22.4-23.0, and 14.5-15.2 on one thread against 14.8-15.5
+   (`python -m kazeia_stream.engine.q8_product --mb 400`); into the L1 8 KB ahead it read 10 GB/s
+   on one thread. Elsewhere into the L1, 2 KB ahead: Zen 4 read as fast into the L1 at 2 and 8 KB,
+   and its prefetcht1 is reported to drop some lines (Wang et al., "The Hitchhiker's Guide to
+   Programming and Optimizing CXL-Based Heterogeneous Systems", 2024). */
+#define PREFETCH512_L2 4096
+#define PREFETCH512_L1 2048
 #define PREFETCH256 8192
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -143,7 +146,7 @@ static inline uint64_t every_other(const block_q8_0 *first) {
 
 AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, const int n,
                            const int8_t *q, const float *d16, float *dst, size_t dst_row, int64_t r0,
-                           int64_t r1) {
+                           int64_t r1, const int into_l2) {
     const int64_t groups = nb / 8;
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
@@ -151,7 +154,10 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t
         for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const block_q8_0 *wb = wr + 8 * g;
-            for (int l = 0; l < 5; l++) _mm_prefetch((const char *)wb + PREFETCH512 + 64 * l, _MM_HINT_T1);
+            for (int l = 0; l < 5; l++) {
+                if (into_l2) _mm_prefetch((const char *)wb + PREFETCH512_L2 + 64 * l, _MM_HINT_T1);
+                else _mm_prefetch((const char *)wb + PREFETCH512_L1 + 64 * l, _MM_HINT_T0);
+            }
             __m512i wq[4], start[4];
             for (int i = 0; i < 4; i++) {
                 wq[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wb[2 * i].qs)),
@@ -185,7 +191,9 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t
     }
 }
 
-TILE(AVX512, tile512, rows512)
+/* Prefetching into the L2 (Intel) or the L1 (elsewhere): see PREFETCH512_L2. */
+TILE(AVX512, tile512_l2, rows512, 1)
+TILE(AVX512, tile512_l1, rows512, 0)
 
 /* A pair of weight blocks (w1 and d1 zero beside an odd last block) times each row of x: the
    blocks interleaved as quantize256 lays x out, signed by x, times |x|, and the int32 sums of
@@ -237,7 +245,9 @@ TILE(AVX2, tile256, rows256)
 size_t kz_q8_product_claims_size(void) { return sizeof(struct claims); }
 
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    product(dst, ith, nth, claims, 32, quantize512, &layout512, tile512);
+    __builtin_cpu_init();
+    product(dst, ith, nth, claims, 32, quantize512, &layout512,
+            __builtin_cpu_is("intel") ? tile512_l2 : tile512_l1);
 }
 
 void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {
