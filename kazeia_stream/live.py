@@ -3,10 +3,14 @@ through the sound card, `--pipe` (text in, PCM out) and `-o` (a file)."""
 
 from __future__ import annotations
 
+import array
 import codecs
+import fcntl
 import logging
 import os
+import stat
 import sys
+import termios
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +20,7 @@ import trio
 from .audio_file import AudioFileWriter
 from .engine.frames import frame_cap
 from .errors import EmptyTextError, OutputError, UsageError
+from .pcm import SAMPLE_BYTES
 from .runtime import Runtime
 from .stages.playback import AudioPlayer
 from .stages.sinks import play, write_pcm
@@ -144,19 +149,43 @@ async def _pieces(channel: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]
             yield piece
 
 
+def listener(fd: int, fmt: str, sample_rate: int) -> dict[str, Any]:
+    """How the PCM written to `fd` is heard, as `Session.speak`'s keywords: nobody hears a
+    regular file or /dev/null as it comes (`live=False`: the decoder may push several frames at
+    once); a pipe's reader has at least what is still in the pipe to hear (`ahead`, which
+    lets the decoder do the same while that is long); of anything else (a terminal, a socket)
+    nothing is known, and the utterance is live."""
+    mode = os.fstat(fd)
+    if stat.S_ISREG(mode.st_mode) or os.path.samestat(mode, os.stat(os.devnull)):
+        return {"live": False}
+    if stat.S_ISFIFO(mode.st_mode):
+        per_second = SAMPLE_BYTES[fmt] * sample_rate
+        return {"ahead": lambda: _queued_bytes(fd) / per_second}
+    return {}
+
+
+def _queued_bytes(fd: int) -> int:
+    """The bytes written to a pipe that its reader has not read yet."""
+    queued = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, queued)
+    return queued[0]
+
+
 async def pipe(runtime: Runtime, fmt: str, **session: Any) -> int:
     """Read text from stdin (a line is an utterance) and write raw PCM to stdout, nothing
     else, flushed per chunk. A reader that closed stdout ends it quietly; any other write error
     is an `OutputError`. Input refused on the way (invalid UTF-8, a line the session refuses)
-    is reported and skipped, and the exit status is then 1 (`Refusals`)."""
+    is reported and skipped, and the exit status is then 1 (`Refusals`). Whether anyone hears
+    the audio as it comes depends on what stdout is (`listener`)."""
     lines_send, lines = trio.open_memory_channel[trio.MemoryReceiveChannel[str]](LINE_BUFFER)
     refusals = Refusals()
     out = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
+    heard = listener(out.fileno(), fmt, runtime.model.sample_rate)
     async with out, runtime.open(**session) as tts, trio.open_nursery() as nursery:
         nursery.start_soon(read_lines, sys.stdin.fileno(), lines_send, refusals)
         async for line in lines:
             try:
-                await write_pcm(tts.speak(_pieces(line)), out, fmt)
+                await write_pcm(tts.speak(_pieces(line), **heard), out, fmt)
             except EmptyTextError:  # blank lines are simply skipped
                 pass
             except UsageError as e:

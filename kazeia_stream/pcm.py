@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-FORMATS = ("s16le", "f32le")
+SAMPLE_BYTES = {"s16le": 2, "f32le": 4}
+FORMATS = tuple(SAMPLE_BYTES)
 
 
 def pcm_bytes(pcm: np.ndarray, fmt: str) -> bytes:

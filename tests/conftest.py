@@ -186,6 +186,24 @@ def slow_decoder(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture
+def slow_generator(monkeypatch: pytest.MonkeyPatch):
+    """`slow_generator(runtime, delay)`: the runtime's generator waits `delay` s before each
+    frame (more than a frame's 80 ms: slower than real time, as on a slow machine)."""
+    import trio
+
+    def slow(runtime, delay: float) -> None:
+        next_frame = runtime.generator.next_frame
+
+        async def slowed(state):
+            await trio.sleep(delay)
+            return await next_frame(state)
+
+        monkeypatch.setattr(runtime.generator, "next_frame", slowed)
+
+    return slow
+
+
+@pytest.fixture
 def engine_spans(monkeypatch: pytest.MonkeyPatch):
     """`engine_spans(runtime)`: from then on, (start, end) of each of the runtime's engine calls,
     per engine: "decoder" (`CodecDecoder.push_many`) and "generator" (`FrameLoop.next_frames`;

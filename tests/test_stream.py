@@ -145,20 +145,14 @@ def held_pushes(frames: int) -> list[int]:
 
 @pytest.mark.parametrize("ahead", [None, 0.0, 10.0])
 async def test_a_live_listener_of_a_slow_generator_gets_each_frame_at_once_unless_it_has_enough_ahead(
-    runtime, offline, slow_decoder, monkeypatch, ahead
+    runtime, offline, slow_decoder, slow_generator, ahead
 ):
     """A generator slower than real time: the audio made never leads a listener who hears it
     in real time from its first chunk (`ahead` None), nor one that says it has nothing left
     (0 s), so no push waits for a second frame (the decoder keeps up: none queues either);
     one that says it has 10 s left to hear (a player's long queue) gets them four at a time."""
     pushes = slow_decoder(runtime, 0.0)
-    next_frame = runtime.generator.next_frame
-
-    async def slowed(state):
-        await trio.sleep(0.12)  # a frame is 80 ms of audio
-        return await next_frame(state)
-
-    monkeypatch.setattr(runtime.generator, "next_frame", slowed)
+    slow_generator(runtime, 0.12)
     async with runtime.open(voice="ryan", seed=5, max_frames=8) as tts:
         pcm = await collect(tts.speak(TEXT, ahead=None if ahead is None else lambda: ahead))
     assert pushes == ([1] * 8 if not ahead else held_pushes(8))

@@ -1,0 +1,80 @@
+"""What `--pipe`'s stdout says of its listener (`live.listener`), and the pushes it gives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+
+import pytest
+import trio
+from test_stream import held_pushes
+
+from kazeia_stream import live
+
+RATE = 24000
+TEXT = "Hello there, this is the first line."
+
+
+def test_nobody_hears_a_regular_file_or_dev_null_as_it_comes(tmp_path):
+    with open(tmp_path / "out.pcm", "wb") as f:
+        assert live.listener(f.fileno(), "s16le", RATE) == {"live": False}
+    with open(os.devnull, "wb") as f:
+        assert live.listener(f.fileno(), "s16le", RATE) == {"live": False}
+
+
+@pytest.mark.parametrize("fmt, sample_bytes", [("s16le", 2), ("f32le", 4)])
+def test_a_pipes_reader_has_what_is_still_in_the_pipe_to_hear(fmt, sample_bytes):
+    read, write = os.pipe()
+    try:
+        ahead = live.listener(write, fmt, RATE)["ahead"]
+        assert ahead() == 0.0
+        os.write(write, bytes(sample_bytes * RATE // 2))
+        assert ahead() == pytest.approx(0.5)
+        os.read(read, sample_bytes * RATE // 4)
+        assert ahead() == pytest.approx(0.25)
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_of_a_socket_nothing_is_known():
+    a, b = socket.socketpair()
+    with a, b:
+        assert live.listener(a.fileno(), "s16le", RATE) == {}
+
+
+@pytest.mark.parametrize("target", ["file", "pipe", "socket"])
+def test_pipe_pushes_as_its_stdout_is_heard(
+    tiny_runtime, slow_decoder, slow_generator, monkeypatch, tmp_path, target
+):
+    """A generator slower than real time (0.12 s a frame): a file's frames go four a push after
+    the first; a pipe that nobody reads yet fills, so its pushes start waiting for more than a
+    frame; a socket's reader may be hearing it as it comes, so every frame goes alone."""
+    runtime = tiny_runtime("custom_voice")
+    pushes = slow_decoder(runtime, 0.0)
+    slow_generator(runtime, 0.12)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT + "\n")
+    with contextlib.ExitStack() as stack:
+        if target == "file":
+            out = stack.enter_context(open(tmp_path / "out.pcm", "wb"))
+        elif target == "pipe":
+            read, write = os.pipe()
+            stack.enter_context(os.fdopen(read, "rb"))  # never read: its 64 KB hold the 8 frames
+            out = stack.enter_context(os.fdopen(write, "wb"))
+        else:
+            a, _reader = (stack.enter_context(s) for s in socket.socketpair())
+            out = stack.enter_context(a.makefile("wb"))
+        monkeypatch.setattr(sys, "stdin", stack.enter_context(open(text, "rb")))
+        monkeypatch.setattr(sys, "stdout", out)
+        session = dict(voice="ryan", seed=5, max_frames=8, text_streaming=True)
+        assert trio.run(lambda: live.pipe(runtime, "s16le", **session)) == 0
+    assert sum(pushes) == 8
+    if target == "file":
+        assert pushes == held_pushes(8)
+    elif target == "pipe":
+        assert pushes[0] == 1 and max(pushes) > 1
+    else:
+        assert pushes == [1] * 8
