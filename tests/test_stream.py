@@ -169,6 +169,9 @@ async def test_a_push_waits_for_more_frames_only_while_a_live_listener_has_enoug
     assert _hold_until(m, True, 0.05) < trio.current_time()
     waits = _hold_until(m, True, 0.05, ahead=lambda: 3.0) - trio.current_time()  # a player's queue
     assert waits == pytest.approx(3.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)
+    m.samples = 2 * 24000  # `ahead` is what is left at least: less does not cut the hold
+    waits = _hold_until(m, True, 0.05, ahead=lambda: 0.0) - trio.current_time()
+    assert waits == pytest.approx(1.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)
 
 
 @pytest.mark.serial

@@ -27,7 +27,7 @@ int main(void) {
         return 1;
     }
     const struct layout *layout = level == 2 ? &layout512 : &layout256;
-    tile_fn *tile = level == 2 ? tile512 : tile256;
+    tile_fn *tile = level == 2 ? tile512() : tile256;
     const int64_t k = 1024, nb = k / 32, groups = (nb + layout->blocks - 1) / layout->blocks;
     const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
     float *x = aligned_alloc(64, k * sizeof(float));

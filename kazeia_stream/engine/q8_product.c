@@ -195,6 +195,12 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t
 TILE(AVX512, tile512_l2, rows512, 1)
 TILE(AVX512, tile512_l1, rows512, 0)
 
+/* The AVX512 variant's tile for this CPU's vendor. */
+static tile_fn *tile512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? tile512_l2 : tile512_l1;
+}
+
 /* A pair of weight blocks (w1 and d1 zero beside an odd last block) times each row of x: the
    blocks interleaved as quantize256 lays x out, signed by x, times |x|, and the int32 sums of
    both blocks converted and scaled at once. The int16 pair sums cannot saturate: x's int8 lie
@@ -245,9 +251,7 @@ TILE(AVX2, tile256, rows256)
 size_t kz_q8_product_claims_size(void) { return sizeof(struct claims); }
 
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
-    __builtin_cpu_init();
-    product(dst, ith, nth, claims, 32, quantize512, &layout512,
-            __builtin_cpu_is("intel") ? tile512_l2 : tile512_l1);
+    product(dst, ith, nth, claims, 32, quantize512, &layout512, tile512());
 }
 
 void kz_q8_product_avx2(struct tensor *dst, int ith, int nth, void *claims) {

@@ -78,11 +78,14 @@ def _hold_until(
     """Until when (trio's clock) a push may wait for more frames: forever where nobody listens
     as the audio comes (`live` false: a file, a whole response), else while the listener has
     more left to hear than a whole push of `share` seconds a frame and `LISTENER_MARGIN_S`:
-    `ahead()` seconds where it says (a player's queue), else what a listener who has heard
-    the audio in real time since its first chunk has left."""
+    what a listener who has heard the audio in real time since its first chunk has left, or
+    more where `ahead()` says the listener has more (a player's queue, a pipe's unread bytes:
+    what is left at least, as a listener may hold audio of its own)."""
     if not live:
         return math.inf
-    lead = ahead() if ahead is not None else metrics.lead_s(time.perf_counter())
+    lead = metrics.lead_s(time.perf_counter())
+    if ahead is not None:
+        lead = max(lead, ahead())
     return trio.current_time() + lead - MAX_PUSH * share - LISTENER_MARGIN_S
 
 
