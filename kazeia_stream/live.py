@@ -153,12 +153,16 @@ def listener(fd: int, fmt: str, sample_rate: int) -> dict[str, Any]:
     """How the PCM written to `fd` is heard, as `Session.speak`'s keywords: nobody hears a
     regular file or /dev/null as it comes (`live=False`: the decoder may push several frames at
     once); a pipe's reader has at least what is still in the pipe to hear (`ahead`, which
-    lets the decoder do the same while that is long); of anything else (a terminal, a socket)
-    nothing is known, and the utterance is live."""
+    lets the decoder do the same while that is long); of anything else (a terminal, a socket,
+    a pipe that does not say) nothing is known, and the utterance is live."""
     mode = os.fstat(fd)
     if stat.S_ISREG(mode.st_mode) or os.path.samestat(mode, os.stat(os.devnull)):
         return {"live": False}
     if stat.S_ISFIFO(mode.st_mode):
+        try:
+            _queued_bytes(fd)
+        except OSError:
+            return {}
         per_second = SAMPLE_BYTES[fmt] * sample_rate
         return {"ahead": lambda: _queued_bytes(fd) / per_second}
     return {}

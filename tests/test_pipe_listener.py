@@ -39,6 +39,19 @@ def test_a_pipes_reader_has_what_is_still_in_the_pipe_to_hear(fmt, sample_bytes)
         os.close(write)
 
 
+def test_of_a_pipe_that_does_not_say_what_it_holds_nothing_is_known(monkeypatch):
+    def refuse(*_):
+        raise OSError(25, "Inappropriate ioctl for device")
+
+    read, write = os.pipe()
+    monkeypatch.setattr(live.fcntl, "ioctl", refuse)
+    try:
+        assert live.listener(write, "s16le", RATE) == {}
+    finally:
+        os.close(read)
+        os.close(write)
+
+
 def test_of_a_socket_nothing_is_known():
     a, b = socket.socketpair()
     with a, b:
