@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import KazeiaError, UsageError, leaf
+from .errors import KazeiaError, OutputError, UsageError, leaf
 from .pcm import FORMATS
 
 if TYPE_CHECKING:
@@ -165,6 +165,10 @@ def cmd_speak(args: argparse.Namespace) -> int:
         raise UsageError("--pipe reads the text from stdin and writes PCM to stdout: no TEXT or -o")
     if not args.pipe and args.text is None:
         raise UsageError('no text given: kazeia-stream "Hello there" (or --pipe to read stdin)')
+    if args.pipe and sys.stdin is None:  # Python's streams are None where the fds were closed
+        raise UsageError("--pipe reads the text from stdin, which is closed")
+    if args.pipe and sys.stdout is None:
+        raise OutputError("cannot write to stdout: it is closed")
     model = _model(args)  # first: libllama reads its vocabulary in a thread while these import
     import trio
 
@@ -660,7 +664,22 @@ def _user_facing(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _standard_streams() -> None:
+    """Open /dev/null on any of fds 0-2 that was closed when we started (Python's sys.stdin,
+    sys.stdout or sys.stderr is then None): else the next file opened takes its number, and
+    llama.cpp's log to fd 2 would go into it. Without a stderr our messages go nowhere (`print`
+    to a None file writes to stdout: into `--pipe`'s PCM)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (the process's, as sys.stderr is)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _standard_streams()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = subcommand_parser() if argv and argv[0] in SUBCOMMANDS else speak_parser()
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -116,3 +117,34 @@ def test_the_same_seed_gives_the_same_bytes_on_a_loaded_machine(model_path, expe
             proc.wait()
     assert r.returncode == 0, r.stderr.decode()
     assert same_pcm(r.stdout, expected, "f32le")
+
+
+def test_a_regular_file_gets_the_same_bytes(model_path, expected, tmp_path):
+    """Into a file the decoder pushes four frames at a time (`live.listener`): the same PCM."""
+    out = tmp_path / "out.s16"
+    stdin = ("\n".join(LINES) + "\n").encode()
+    with open(out, "wb") as f:
+        r = subprocess.run(pipe(model_path), input=stdin, stdout=f, stderr=subprocess.PIPE, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert same_pcm(out.read_bytes(), expected, "s16le") and r.stderr == b""
+
+
+@pytest.mark.parametrize(
+    "fd, message",
+    [(0, b"--pipe reads the text from stdin, which is closed"), (1, b"cannot write to stdout: it is closed")],
+)
+def test_a_closed_stdin_or_stdout_is_a_one_line_error(model_path, fd, message):
+    r = subprocess.run(pipe(model_path), stderr=subprocess.PIPE, preexec_fn=lambda: os.close(fd), timeout=300)
+    assert r.returncode == 1
+    assert r.stderr == b"kazeia-stream: error: " + message + b"\n"
+
+
+def test_with_stderr_closed_the_refusals_go_nowhere_and_the_pcm_is_untouched(model_path, expected):
+    """A closed stderr: our messages must not fall back to stdout (print's None file) nor
+    the next file opened take fd 2."""
+    stdin = LINES[0].encode() + b"\n\xff\xfe\n" + LINES[1].encode() + b"\n"
+    r = subprocess.run(
+        pipe(model_path), input=stdin, stdout=subprocess.PIPE, preexec_fn=lambda: os.close(2), timeout=300
+    )
+    assert r.returncode == 1  # a line had invalid UTF-8, as with a stderr
+    assert same_pcm(r.stdout, expected, "s16le")
