@@ -63,8 +63,9 @@ def test_pipe_pushes_as_its_stdout_is_heard(
     tiny_runtime, slow_decoder, slow_generator, monkeypatch, tmp_path, target
 ):
     """A generator slower than real time (0.12 s a frame): a file's frames go four a push after
-    the first; a pipe that nobody reads yet fills, so its pushes start waiting for more than a
-    frame; a socket's reader may be hearing it as it comes, so every frame goes alone."""
+    the first; a pipe whose reader is behind (half a second unread, and it reads nothing more)
+    gets pushes of more than a frame; a socket's reader may be hearing it as it comes, so every
+    frame goes alone."""
     runtime = tiny_runtime("custom_voice")
     pushes = slow_decoder(runtime, 0.0)
     slow_generator(runtime, 0.12)
@@ -75,8 +76,9 @@ def test_pipe_pushes_as_its_stdout_is_heard(
             out = stack.enter_context(open(tmp_path / "out.pcm", "wb"))
         elif target == "pipe":
             read, write = os.pipe()
-            stack.enter_context(os.fdopen(read, "rb"))  # never read: its 64 KB hold the 8 frames
+            stack.enter_context(os.fdopen(read, "rb"))  # never read: its 64 KB hold all of it
             out = stack.enter_context(os.fdopen(write, "wb"))
+            os.write(write, bytes(2 * RATE // 2))  # a reader half a second behind already
         else:
             a, _reader = (stack.enter_context(s) for s in socket.socketpair())
             out = stack.enter_context(a.makefile("wb"))
