@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -47,6 +46,11 @@ def pipe(model_path: str, *extra: str) -> list[str]:
         "9",
         *extra,
     ]
+
+
+def closing(fd: int, command: list[str]) -> list[str]:
+    """`command` run with descriptor `fd` closed, as a shell's `<&-`, `>&-` or `2>&-` does."""
+    return ["sh", "-c", f'exec "$@" {fd}>&-', "sh", *command]
 
 
 @pytest.mark.parametrize("fmt", ["s16le", "f32le"])
@@ -134,7 +138,7 @@ def test_a_regular_file_gets_the_same_bytes(model_path, expected, tmp_path):
     [(0, b"--pipe reads the text from stdin, which is closed"), (1, b"cannot write to stdout: it is closed")],
 )
 def test_a_closed_stdin_or_stdout_is_a_one_line_error(model_path, fd, message):
-    r = subprocess.run(pipe(model_path), stderr=subprocess.PIPE, preexec_fn=lambda: os.close(fd), timeout=300)
+    r = subprocess.run(closing(fd, pipe(model_path)), stderr=subprocess.PIPE, timeout=300)
     assert r.returncode == 1
     assert r.stderr == b"kazeia-stream: error: " + message + b"\n"
 
@@ -143,8 +147,6 @@ def test_with_stderr_closed_the_refusals_go_nowhere_and_the_pcm_is_untouched(mod
     """A closed stderr: our messages must not fall back to stdout (print's None file) nor
     the next file opened take fd 2."""
     stdin = LINES[0].encode() + b"\n\xff\xfe\n" + LINES[1].encode() + b"\n"
-    r = subprocess.run(
-        pipe(model_path), input=stdin, stdout=subprocess.PIPE, preexec_fn=lambda: os.close(2), timeout=300
-    )
+    r = subprocess.run(closing(2, pipe(model_path)), input=stdin, stdout=subprocess.PIPE, timeout=300)
     assert r.returncode == 1  # a line had invalid UTF-8, as with a stderr
     assert same_pcm(r.stdout, expected, "s16le")
