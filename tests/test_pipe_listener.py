@@ -17,6 +17,15 @@ RATE = 24000
 TEXT = "Hello there, this is the first line."
 
 
+@pytest.fixture
+def pipe_fds():
+    """A pipe's (read, write) descriptors, closed after the test."""
+    fds = os.pipe()
+    yield fds
+    for fd in fds:
+        os.close(fd)
+
+
 def test_nobody_hears_a_regular_file_or_dev_null_as_it_comes(tmp_path):
     with open(tmp_path / "out.pcm", "wb") as f:
         assert live.listener(f.fileno(), "s16le", RATE) == {"live": False}
@@ -25,31 +34,22 @@ def test_nobody_hears_a_regular_file_or_dev_null_as_it_comes(tmp_path):
 
 
 @pytest.mark.parametrize("fmt, sample_bytes", [("s16le", 2), ("f32le", 4)])
-def test_a_pipes_reader_has_what_is_still_in_the_pipe_to_hear(fmt, sample_bytes):
-    read, write = os.pipe()
-    try:
-        ahead = live.listener(write, fmt, RATE)["ahead"]
-        assert ahead() == 0.0
-        os.write(write, bytes(sample_bytes * RATE // 2))
-        assert ahead() == pytest.approx(0.5)
-        os.read(read, sample_bytes * RATE // 4)
-        assert ahead() == pytest.approx(0.25)
-    finally:
-        os.close(read)
-        os.close(write)
+def test_a_pipes_reader_has_what_is_still_in_the_pipe_to_hear(pipe_fds, fmt, sample_bytes):
+    read, write = pipe_fds
+    ahead = live.listener(write, fmt, RATE)["ahead"]
+    assert ahead() == 0.0
+    os.write(write, bytes(sample_bytes * RATE // 2))
+    assert ahead() == pytest.approx(0.5)
+    os.read(read, sample_bytes * RATE // 4)
+    assert ahead() == pytest.approx(0.25)
 
 
-def test_of_a_pipe_that_does_not_say_what_it_holds_nothing_is_known(monkeypatch):
+def test_of_a_pipe_that_does_not_say_what_it_holds_nothing_is_known(pipe_fds, monkeypatch):
     def refuse(*_):
         raise OSError(25, "Inappropriate ioctl for device")
 
-    read, write = os.pipe()
     monkeypatch.setattr(live.fcntl, "ioctl", refuse)
-    try:
-        assert live.listener(write, "s16le", RATE) == {}
-    finally:
-        os.close(read)
-        os.close(write)
+    assert live.listener(pipe_fds[1], "s16le", RATE) == {}
 
 
 def test_of_a_socket_nothing_is_known():
@@ -60,7 +60,7 @@ def test_of_a_socket_nothing_is_known():
 
 @pytest.mark.parametrize("target", ["file", "pipe", "socket"])
 def test_pipe_pushes_as_its_stdout_is_heard(
-    tiny_runtime, slow_decoder, slow_generator, monkeypatch, tmp_path, target
+    tiny_runtime, slow_decoder, slow_generator, pipe_fds, monkeypatch, tmp_path, target
 ):
     """A generator slower than real time (0.12 s a frame): a file's frames go four a push after
     the first; a pipe whose reader is behind (half a second unread, and it reads nothing more)
@@ -75,9 +75,8 @@ def test_pipe_pushes_as_its_stdout_is_heard(
         if target == "file":
             out = stack.enter_context(open(tmp_path / "out.pcm", "wb"))
         elif target == "pipe":
-            read, write = os.pipe()
-            stack.enter_context(os.fdopen(read, "rb"))  # never read: its 64 KB hold all of it
-            out = stack.enter_context(os.fdopen(write, "wb"))
+            write = pipe_fds[1]  # never read: its 64 KB hold all of it
+            out = stack.enter_context(os.fdopen(write, "wb", closefd=False))
             os.write(write, bytes(2 * RATE // 2))  # a reader half a second behind already
         else:
             a, _reader = (stack.enter_context(s) for s in socket.socketpair())
