@@ -1,7 +1,8 @@
 """`kazeia-stream bench`: time to first audio, real-time factor and per-stage cost per frame.
 
 Generates exactly N frames (EOS ignored) for a fixed sentence, pushing the decoder one frame at
-a time as a live stream would, and reports figures a user can compare across machines and types.
+a time (`--pipeline`: as a session pushes it for a listener who hears it as it comes), and
+reports figures a user can compare across machines and types.
 `--streams N` runs N such utterances at once on one runtime (`run_streams_bench`).
 
 Each measured run is compared with a reference measured right after it, as a shared machine's

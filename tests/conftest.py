@@ -188,7 +188,8 @@ def slow_decoder(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture
 def slow_generator(monkeypatch: pytest.MonkeyPatch):
     """`slow_generator(runtime, delay)`: the runtime's generator waits `delay` s before each
-    frame (more than a frame's 80 ms: slower than real time, as on a slow machine)."""
+    frame (more than a frame's 80 ms: slower than real time, as on a slow machine; less:
+    faster)."""
     import trio
 
     def slow(runtime, delay: float) -> None:

@@ -60,15 +60,14 @@ def test_of_a_socket_nothing_is_known():
 
 @pytest.mark.parametrize("target", ["file", "pipe", "socket"])
 def test_pipe_pushes_as_its_stdout_is_heard(
-    tiny_runtime, slow_decoder, slow_generator, pipe_fds, monkeypatch, tmp_path, target
+    tiny_runtime, slow_decoder, pipe_fds, monkeypatch, tmp_path, target
 ):
-    """A generator slower than real time (0.12 s a frame): a file's frames go four a push after
+    """The tiny model's generator, faster than real time: a file's frames go four a push after
     the first; a pipe whose reader is behind (half a second unread, and it reads nothing more)
-    gets pushes of more than a frame; a socket's reader may be hearing it as it comes, so every
-    frame goes alone."""
+    gets a second push of more than a frame; a socket's reader may be hearing it as it comes,
+    with little left to hear at first, so its first frames go alone."""
     runtime = tiny_runtime("custom_voice")
     pushes = slow_decoder(runtime, 0.0)
-    slow_generator(runtime, 0.12)
     text = tmp_path / "text.txt"
     text.write_text(TEXT + "\n")
     with contextlib.ExitStack() as stack:
@@ -89,6 +88,6 @@ def test_pipe_pushes_as_its_stdout_is_heard(
     if target == "file":
         assert pushes == held_pushes(8)
     elif target == "pipe":
-        assert pushes[0] == 1 and max(pushes) > 1
+        assert pushes[0] == 1 and pushes[1] > 1
     else:
-        assert pushes == [1] * 8
+        assert pushes[:2] == [1, 1]

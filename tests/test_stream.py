@@ -143,29 +143,37 @@ def held_pushes(frames: int) -> list[int]:
     return [1] + [MAX_PUSH] * rest + ([last] if last else [])
 
 
-@pytest.mark.parametrize("ahead", [None, 0.0, 10.0])
-async def test_a_live_listener_of_a_slow_generator_gets_each_frame_at_once_unless_it_has_enough_ahead(
+@pytest.mark.parametrize("ahead", [None, 0.0, 0.1, 10.0])
+async def test_a_live_listener_of_a_slow_generator_gets_frames_four_at_a_time_unless_it_has_a_little_left(
     runtime, offline, slow_decoder, slow_generator, ahead
 ):
     """A generator slower than real time: the audio made never leads a listener who hears it
     in real time from its first chunk (`ahead` None), nor one that says it has nothing left
-    (0 s), so no push waits for a second frame (the decoder keeps up: none queues either);
-    one that says it has 10 s left to hear (a player's long queue) gets them four at a time."""
+    (0 s): it has run dry, and after the first frame gets them four at a time, as a player
+    rebuffers. One that says it has a little left (0.1 s, less than a push and the margin)
+    gets each frame at once (the decoder keeps up: none queues); one that says it has 10 s
+    left to hear (a player's long queue) gets them four at a time."""
     pushes = slow_decoder(runtime, 0.0)
     slow_generator(runtime, 0.12)
     async with runtime.open(voice="ryan", seed=5, max_frames=8) as tts:
         pcm = await collect(tts.speak(TEXT, ahead=None if ahead is None else lambda: ahead))
-    assert pushes == ([1] * 8 if not ahead else held_pushes(8))
+    assert pushes == ([1] * 8 if ahead == 0.1 else held_pushes(8))
     assert same_audio(pcm, offline[: 8 * 1920])
 
 
-async def test_a_push_waits_for_more_frames_only_while_a_live_listener_has_enough_to_hear():
+async def test_a_push_waits_for_more_frames_while_a_live_listener_has_enough_to_hear_or_ran_dry():
     m = UtteranceMetrics(sample_rate=24000)
     assert _hold_until(m, False, 0.05) == math.inf  # nobody listens as it comes
     m.first_audio, m.samples = time.perf_counter() - 1.0, 2 * 24000  # 2 s made, 1 s heard
     waits = _hold_until(m, True, 0.05) - trio.current_time()
     assert waits == pytest.approx(1.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)
     m.samples = 24000  # all heard: a push goes at once
+    assert _hold_until(m, True, 0.05) < trio.current_time()
+    now = time.perf_counter()  # ... unless the generator is making frames: a frame in 0.1 s,
+    m.generator.add(0, now - 0.15, now - 0.05)  # made 0.05 s ago: MAX_PUSH more by then
+    waits = _hold_until(m, True, 0.05) - trio.current_time()
+    assert waits == pytest.approx(MAX_PUSH * 0.1 - 0.05, abs=0.02)
+    m.generator.add(1, now - 1.0, now - 0.9)  # its last frame long ago (it waits for text)
     assert _hold_until(m, True, 0.05) < trio.current_time()
     waits = _hold_until(m, True, 0.05, ahead=lambda: 3.0) - trio.current_time()  # a player's queue
     assert waits == pytest.approx(3.0 - MAX_PUSH * 0.05 - LISTENER_MARGIN_S, abs=0.02)

@@ -38,7 +38,8 @@ async def decode_frames(
     weights once for all of them (Zen 4, one stream: 45 ms a frame alone, 40 two at a time;
     the Xeon with AMX: 56 alone, 42 four at a time; `python -m kazeia_stream.engine.codec
     MMPROJ 1 4`), so that frames queued behind a slow push always join the next, and a push
-    waits for more frames while the listener does not need its audio yet (`_hold_until`).
+    waits for more frames while the listener does not need its audio yet, or has run dry
+    (`_hold_until`).
     An utterance's first frame is never held: its audio comes alone, as soon as it can
     (decoded ahead of other streams' frames, and alone, on every core, the generator waiting,
     when no other stream runs). Pushes give the samples of one-frame pushes, bit for bit.
@@ -80,12 +81,24 @@ def _hold_until(
     more left to hear than a whole push of `share` seconds a frame and `LISTENER_MARGIN_S`:
     what a listener who has heard the audio in real time since its first chunk has left, or
     more where `ahead()` says the listener has more (a player's queue, a pipe's unread bytes:
-    what is left at least, as a listener may hold audio of its own)."""
+    what is left at least, as a listener may hold audio of its own).
+
+    A listener with nothing left (it ran dry: the generator is slower than real time) waits
+    for audio either way, and a push then waits for `MAX_PUSH` frames while the generator
+    keeps its pace: until it could have made that many more at the pace of its last frame
+    (one frame's time to spare), as a player rebuffers after running dry. One push reads the
+    decoder's weights once for all its frames, so the generator gets the cores back sooner:
+    the audio ends sooner, in a quarter of the gaps (`docs/measurements.md`, 2026-12-06,
+    evening)."""
     if not live:
         return math.inf
-    lead = metrics.lead_s(time.perf_counter())
+    now = time.perf_counter()
+    lead = metrics.lead_s(now)
     if ahead is not None:
         lead = max(lead, ahead())
+    if lead <= 0 and metrics.generator.spans:
+        _, start, end = metrics.generator.spans[-1]
+        return trio.current_time() + end - now + MAX_PUSH * (end - start)
     return trio.current_time() + lead - MAX_PUSH * share - LISTENER_MARGIN_S
 
 
