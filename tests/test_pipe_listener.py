@@ -58,6 +58,7 @@ def test_of_a_socket_nothing_is_known():
         assert live.listener(a.fileno(), "s16le", RATE) == {}
 
 
+@pytest.mark.serial  # the socket's first pushes need the generator faster than real time
 @pytest.mark.parametrize("target", ["file", "pipe", "socket"])
 def test_pipe_pushes_as_its_stdout_is_heard(
     tiny_runtime, slow_decoder, pipe_fds, monkeypatch, tmp_path, target
