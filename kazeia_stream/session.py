@@ -127,9 +127,9 @@ class Session:
         """Queue `text` to be spoken after the utterances asked for before it; return it.
         `live=False`: nobody hears the audio as it comes (a file, a whole response), so the
         decoder may hold frames back to push several at once (faster; see `decode_frames`);
-        live, it does while the listener has enough left to hear: as if it heard the audio in
-        real time from its first chunk, or more where `ahead()` says it has more (the seconds
-        it has left at least: a player's queue, a pipe's unread bytes)."""
+        live, it does while the listener has enough left to hear (as if it heard the audio in
+        real time from its first chunk, or more where `ahead()` says it has more: the seconds
+        it has left at least, a player's queue, a pipe's unread bytes), or once it has run dry."""
         options = self.options if seed is None else replace(self.options, seed=seed)
         utterance = Utterance(text, options, live, ahead, self.model.sample_rate, self._moved_on)
         self._pending.append(utterance)
