@@ -15,31 +15,31 @@ next frame is generated, and decoded, in shared passes. Offline synthesis (`synt
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import trio
 
+from . import blocking
 from .cloning import Audio, VoiceEncoders
 from .engine.code_predictor import CodePredictor
 from .engine.codec import CodecDecoder, DecoderState
 from .engine.frames import FrameLoop, GenerationOptions, max_text_tokens
 from .engine.talker import Talker
 from .engine.threads import SharedCores, Threads
-from .errors import EmptyTextError, UsageError
+from .errors import UsageError
 from .model import Model
 from .model.gguf_file import GGUFFile
 from .model.model import VoiceArg
 from .model.prompt import Prompt
-from .model.segments import split_text
 from .model.voice import Voice
 from .scheduler import Admission, Decoder, Generator
-from .session import Session, single_errors
-from .stages.decoder import MAX_PUSH
+from .session import AUDIO_BUFFER, Session, single_errors
 
 # A segment shorter than this many bytes could not hold a sentence: the instruction is too long.
 MIN_SEGMENT_BYTES = 16
@@ -130,22 +130,6 @@ class Runtime:
         return await trio.to_thread.run_sync(lambda: cls(model, threads, max_streams))
 
     # -- streams on the engines --------------------------------------------------------------
-
-    @contextmanager
-    def _stream_sync(self) -> Iterator[None]:
-        """A place among the streams, for a synchronous caller (blocking while all are taken)."""
-        if _in_trio():
-            if not self.admission.try_acquire():
-                raise UsageError(
-                    "the engines are busy with sessions on this event loop: speak "
-                    "through a session, or call synthesize from a worker thread"
-                )
-        else:
-            self.admission.acquire_sync()
-        try:
-            yield
-        finally:
-            self.admission.release()
 
     @asynccontextmanager
     async def stream(self) -> AsyncIterator[None]:
@@ -243,38 +227,26 @@ class Runtime:
         options: GenerationOptions = GenerationOptions(),
         live: bool = True,
     ) -> Iterator[np.ndarray]:
-        """The PCM of each frame, decoded as soon as it is generated, while the next frame is
-        generated (as a session's actors overlap them); not `live` (nobody hears it as it
-        comes), of up to `MAX_PUSH` frames at a time after the first. A long text is spoken
-        as segments (`model.segments`), each its own utterance, back to back."""
-        probe = self.probe(voice, language, instruct)
-        segments = split_text(text, self.max_segment_bytes(probe))
-        if not segments:
-            raise EmptyTextError("the text is empty")
-        rng = np.random.default_rng(options.seed)
-        with self._stream_sync():
-            for segment in segments:
-                prompt = self.model.prompt(
-                    segment, voice=voice, language=language, instruct=instruct, text_streaming=text_streaming
-                )
-                state = self.generator.start(prompt, self.model.text_feed(prompt), options, rng)
-                asked = self.generator.next_frame_later(state)
-                try:
-                    decoder = None  # made once a frame exists: the decoder may still be loading
-                    while (codes := asked.wait()) is not None:
-                        push = [codes]
-                        asked = self.generator.next_frame_later(state)  # generated meanwhile
-                        if not live and decoder is not None:  # held back, as `decode_frames` does
-                            while len(push) < MAX_PUSH and (codes := asked.wait()) is not None:
-                                push.append(codes)
-                                asked = self.generator.next_frame_later(state)
-                        first = decoder is None
-                        if decoder is None:
-                            decoder = self.decoder_state(voice)
-                        yield self.decoder.decode_sync(decoder, np.stack(push), first)
-                finally:
-                    self.generator.forget(asked)
-                    self.generator.finish(state)
+        """The PCM of each frame as a session speaks it (`Session.speak`: the same actors, the
+        same pushes and overlap), for a synchronous caller: the session runs on a trio loop in
+        a thread of its own. Not `live`: nobody hears it as it comes (a file, a whole
+        response). A long text is spoken as segments (`model.segments`), back to back. Leaving
+        the iteration early stops the utterance and frees its stream."""
+        if _in_trio() and not self.admission.free():
+            raise UsageError(
+                "the engines are busy with sessions on this event loop: speak "
+                "through a session, or call synthesize from a worker thread"
+            )
+
+        async def speak(send: blocking.Send[np.ndarray]) -> None:
+            generation = dataclasses.asdict(options)
+            async with self.open(
+                voice=voice, language=language, instruct=instruct, text_streaming=text_streaming, **generation
+            ) as tts:
+                async for chunk in tts.speak(text, live=live):
+                    await send(chunk.pcm)
+
+        return blocking.iterate(speak, AUDIO_BUFFER, "kazeia-audio")
 
     def synthesize(
         self,

@@ -514,8 +514,8 @@ class Decoder(_Passes[_Decode, np.ndarray]):
 
 
 class Admission:
-    """At most `n` streams at once; the others wait in the order they asked (a trio task or
-    a thread)."""
+    """At most `n` streams at once; the others wait in the order they asked (trio tasks, of
+    any loop: a synchronous caller's runs on a loop of its own, `blocking`)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -524,24 +524,19 @@ class Admission:
         self._waiting: deque[_Result[None]] = deque()
 
     @trio.lowlevel.enable_ki_protection  # its lock, like the passes' (`_Passes._submit`)
-    def _try(self, result: _Result[None] | None = None) -> bool:
+    def _try(self, result: _Result[None]) -> bool:
         """A place now, if one is free and nobody waits for one; else `result` waits in line."""
         with self._lock:
             if self.active < self.n and not self._waiting:
                 self.active += 1
                 return True
-            if result is not None:
-                self._waiting.append(result)
+            self._waiting.append(result)
             return False
 
-    def try_acquire(self) -> bool:
-        """A place now, if one is free and nobody waits for one."""
-        return self._try()
-
-    def acquire_sync(self) -> None:
-        result: _Result[None] = _Result(in_trio=False)
-        if not self._try(result):
-            result.wait()
+    def free(self) -> bool:
+        """Whether a place is free now and nobody waits for one."""
+        with self._lock:
+            return self.active < self.n and not self._waiting
 
     @trio.lowlevel.enable_ki_protection
     async def acquire(self) -> None:
