@@ -274,8 +274,8 @@ def test_offline_audio_generates_the_next_frames_while_a_push_decodes(
 ):
     """`Runtime.audio` (and so `synthesize`) overlaps the engines as a session's actors do: while
     a push of `MAX_PUSH` frames decodes, the generator makes the next ones (as many as the frame
-    channel holds, and one more in flight), not only the one asked for before the push. The decoder is slowed so that its
-    pushes outlast the tiny model's frames whatever the machine's load."""
+    channel holds, and one more in flight), not only the one asked for before the push. The
+    decoder is slowed so that its pushes outlast the tiny model's frames whatever the load."""
     push_many = runtime.codec.push_many
     monkeypatch.setattr(runtime.codec, "push_many", lambda *a, **k: time.sleep(0.2) or push_many(*a, **k))
     spans = engine_spans(runtime)
