@@ -263,8 +263,9 @@ def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkey
 @pytest.mark.parametrize("in_order", [False, True])
 def test_the_products_floor_runs_a_decode_s_products(decoder, monkeypatch, in_order):
     """`products_time` multiplies each weight by the columns a decode of 2 frames a push gives
-    it (numpy's layers one frame's columns at a time), each product `repeat` times in a row,
-    or `in_order` all of them one after another, `repeat` times."""
+    it (the later blocks' layers one frame's columns at a time, the others the push's), each
+    product `repeat` times in a row, or `in_order` all of them one after another, `repeat`
+    times."""
 
     calls = []
     product = matrix.Matrix.__call__
@@ -275,8 +276,10 @@ def test_the_products_floor_runs_a_decode_s_products(decoder, monkeypatch, in_or
 
     monkeypatch.setattr(matrix.Matrix, "__call__", counting)
     assert decoder.products_time(2, repeat=3, in_order=in_order) > 0
+    per_frame = decoder._per_stream_matrices()
     each = [
-        [(id(m), 2 * columns)] if m.allocator else [(id(m), columns)] * 2 for m, columns in decoder.products()
+        [(id(m), columns)] * 2 if id(m) in per_frame else [(id(m), 2 * columns)]
+        for m, columns in decoder.products()
     ]
     expected = (
         [c for calls_of in each for c in calls_of] * 3 if in_order else [c for e in each for c in e * 3]

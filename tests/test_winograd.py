@@ -75,12 +75,12 @@ def _direct(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int)
     return bias[:, None] + sum(w[:, :, j] @ buf[:, j * d : j * d + cols] for j in range(7))
 
 
-def _tiled(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int) -> np.ndarray:
+def _tiled(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int, frame: int = 0) -> np.ndarray:
     """The convolution as the decoder runs it, each product a tile at a time (numpy's GEMMs
     give a column other bits with other columns; the decoder's products do not)."""
     u = winograd.kernel_weights(w)
     y = np.full((len(w), cols), np.nan, np.float32)
-    for chunk in winograd.chunks(cols, d):
+    for chunk in winograd.chunks(cols, d, frame):
         v = winograd.transform_in(buf, chunk, d)
         m = winograd.planes(chunk.tiles, len(w))
         for k in range(winograd.SIZE):
@@ -121,6 +121,30 @@ def test_a_tile_s_numbers_do_not_depend_on_the_tiles_beside_it():
     for s, buf in enumerate(bufs):
         alone = _tiled(w, bias, buf, 32, 9)
         np.testing.assert_array_equal(together[:, :, s], alone)
+
+
+@pytest.mark.parametrize(("cols", "d"), [(32, 1), (32, 3), (32, 9), (160, 27), (5, 2)])
+def test_a_call_of_several_frames_tiles_each_as_a_call_of_it_alone(cols, d):
+    frames = [winograd.plan(cols, d) + np.array([i * cols, 0, 0, 0]) for i in range(3)]
+    np.testing.assert_array_equal(winograd.plan(3 * cols, d, cols), np.concatenate(frames))
+    assert winograd.tiles(3 * cols, d, cols) == 3 * winograd.tiles(cols, d)
+    with pytest.raises(ValueError, match="whole frames"):
+        winograd.plan(3 * cols + 1, d, cols)
+
+
+@needs_kernel
+def test_a_push_of_several_frames_gives_each_frame_s_bits_alone():
+    """The first block's conv of dilation 9 (tiles of fewer outputs at each frame's end): three
+    frames in one call, and each frame in a call of its own, its context the frames before."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((16, 16, 7)).astype(np.float32)
+    bias = rng.standard_normal(16).astype(np.float32)
+    buf = rng.standard_normal((16, 6 * 9 + 3 * 32)).astype(np.float32)
+    together = _tiled(w, bias, buf, 3 * 32, 9, frame=32)
+    for i in range(3):
+        alone = _tiled(w, bias, np.ascontiguousarray(buf[:, 32 * i :]), 32, 9)
+        np.testing.assert_array_equal(together[:, 32 * i : 32 * (i + 1)], alone)
+    assert not np.array_equal(_tiled(w, bias, buf, 3 * 32, 9), together)  # tiled as one frame: other bits
 
 
 def test_kazeia_winograd_0_asks_for_the_direct_products(monkeypatch):

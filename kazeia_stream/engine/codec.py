@@ -253,7 +253,7 @@ class CodecDecoder:
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
             if conv in dilated:  # most of the multiply-adds: in Winograd's F(4, 7) where it runs
-                conv.tile(cache)
+                conv.tile(columns_of[id(conv.products[0])][1], cache)
             if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
         kernel = self._kernel
@@ -436,7 +436,7 @@ class CodecDecoder:
         its SkylakeX ones do not): on ggml's graphs, however many columns a frame they take."""
         blocks = self.blocks[JOINT_BLOCKS:]
         convs = [conv for block in blocks for conv in block.convs] + [self.post_conv]
-        return {id(block.up.w) for block in blocks} | {id(m) for conv in convs for m, _ in conv.calls(1)}
+        return {id(block.up.w) for block in blocks} | {id(m) for conv in convs for m in conv.products}
 
     def _convs(self) -> Iterator[CausalConv]:
         yield from (self.pre_conv, self.entry, self.post_conv)
@@ -457,9 +457,10 @@ class CodecDecoder:
         hold a few percent of the 0.42 GB a frame reads)."""
         rng = np.random.default_rng(0)
         calls = []  # (product, input, its calls per `frames` frames)
+        per_frame = self._per_stream_matrices()
         for m, columns in self.products():
             n = columns * frames
-            piece = n if m.allocator else columns  # as a decode calls it (see `_blocks`)
+            piece = columns if id(m) in per_frame else n  # as a decode calls it (see `_render`)
             calls.append((m, rng.standard_normal((m.shape[1], piece), dtype=F32), n // piece))
 
         def run(group: Sequence[tuple[Matrix, np.ndarray, int]]) -> float:
@@ -479,20 +480,22 @@ class CodecDecoder:
     def _render(self, streams: _Streams, h: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """The audio of the transformer's output h [C, n * S] of S streams, in consecutive
         pieces of each stream's: (stream, samples). The upsampling, the entry conv and the first
-        `JOINT_BLOCKS` decoder blocks run on all the streams' columns at once, the later blocks
-        (many columns, small weights: the multiplications are the cost) per stream. Up to the
-        first decoder block a pass runs whole (the weights are large, the activations small);
-        from there on one frame at a time (see `_blocks`). Every layer streams, so any split
-        gives the same samples."""
+        `JOINT_BLOCKS` decoder blocks run on all the streams' columns at once, and on all the
+        pass's frames (the weights are large, the activations small: a push of several frames
+        reads them once); the later blocks (many columns, small weights: the multiplications are
+        the cost) per stream, one frame at a time (see `_blocks`). Every layer streams, and the
+        products of the joint blocks give a column the same numbers whatever columns come with
+        it, so any split gives the same samples."""
         count = len(streams.states)
         frames = h.shape[1] // count  # the transformer's output is a column per frame
         for (up, convnext), (tail, context) in zip(self.upsample, streams.upsample):
             h = convnext(context, up(tail, h))
-        joint = _blocks(
-            self.blocks[:JOINT_BLOCKS], streams.blocks, np.split(self.entry(streams.entry, h), frames, axis=1)
-        )
+        h = self.entry(streams.entry, h)
+        for block, block_state in zip(self.blocks[:JOINT_BLOCKS], streams.blocks):
+            h = block(block_state, h)
+        joint = h.reshape(h.shape[0], -1, count)
         for s, state in enumerate(streams.states):
-            pieces = [p.reshape(p.shape[0], -1, count)[:, :, s] for p in joint]
+            pieces = np.split(joint[:, :, s], frames, axis=1)
             for h in _blocks(self.blocks[JOINT_BLOCKS:], state.blocks[JOINT_BLOCKS:], pieces):
                 n = h.shape[1]
                 self.post_act(h, out=state.post_conv.input(n))

@@ -153,7 +153,7 @@ class CausalConv:
     one product per tap, on a copy of its weight, reading the shifted buffer in place (for many
     columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tile`d, in Winograd's F(4,
     7) (`winograd`): 10 products of a quarter of the columns each, between two transforms of
-    ours."""
+    ours, its tiles planned frame by frame (`frame_columns` a stream's columns a frame)."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
         c_out, c_in, k = weight.shape
@@ -162,6 +162,7 @@ class CausalConv:
         self.bias = bias.astype(F32)[:, None]
         self.context, self.c_in = (k - 1) * dilation, c_in
         self.method = "gathered"  # "taps" once `split`, "winograd" once `tile`d
+        self.frame_columns = 0
 
     def split(self) -> None:
         """Multiply tap by tap from now on (the weight in place is let go)."""
@@ -170,12 +171,14 @@ class CausalConv:
             self.products = [Matrix(weight[:, :, j]) for j in range(self.k)]
             self.method = "taps"
 
-    def tile(self, cache: WeightCache = UNSAVED) -> None:
+    def tile(self, frame_columns: int, cache: WeightCache = UNSAVED) -> None:
         """Multiply in Winograd's F(4, 7) from now on, where it runs (7 taps, our kernel built):
-        5/14 of the multiply-adds, within float rounding of the direct products. The transformed
-        weights only matter packed (`cache`: where it holds those, they are not computed)."""
+        5/14 of the multiply-adds, within float rounding of the direct products, on input of
+        `frame_columns` columns a frame. The transformed weights only matter packed (`cache`:
+        where it holds those, they are not computed)."""
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
+        self.frame_columns = frame_columns
         weight = self.products[0].array
         shape = (winograd.SIZE, weight.shape[0], self.c_in)
         make = lambda: winograd.kernel_weights(float32(weight).reshape(-1, self.c_in, self.k))
@@ -189,7 +192,7 @@ class CausalConv:
         if self.method != "winograd":
             yield from ((m, n) for m in self.products)
             return
-        for chunk in winograd.chunks(n, self.dilation):
+        for chunk in winograd.chunks(n, self.dilation, self.frame_columns):
             yield from ((m, chunk.tiles) for m in self.products)
 
     def new_state(self) -> ContextBuffer:
@@ -200,7 +203,7 @@ class CausalConv:
         buf, d, products = state.buf, self.dilation * state.streams, self.products
         if self.method == "winograd":
             y = np.empty((len(self.bias), n), F32)
-            for chunk in winograd.chunks(n, d):
+            for chunk in winograd.chunks(n, d, self.frame_columns * state.streams):
                 v = winograd.transform_in(buf, chunk, d)
                 m = winograd.planes(chunk.tiles, len(self.bias))
                 for product, v_k, m_k in zip(products, v, m):

@@ -6,10 +6,10 @@ its multiply-adds and bound by them on CPUs whose float32 FMA is the limit (Zen 
 the transforms before and after the GEMMs are a few percent (ours, `winograd.c`).
 
 Tiles: outputs t, t + d, t + 2 d and t + 3 d (d the dilation times the streams: a context
-buffer's columns), in blocks of 4 d columns from the first column of a call, then tiles of
-fewer outputs for the rest; the decoder calls a layer with one frame's columns at a time, so
-every column of an utterance is always in the same tile, and chunks of any sizes give the
-samples of the one-shot decode, bit for bit. The numbers differ from the direct convolution's
+buffer's columns), in blocks of 4 d columns from the first column of each frame of a call,
+then tiles of fewer outputs for the rest of the frame; so every column of an utterance is
+always in the same tile, whatever frames a call takes with it, and chunks of any sizes give
+the samples of the one-shot decode, bit for bit. The numbers differ from the direct convolution's
 by float rounding, amplified by the transforms: about 1e-5 of the largest output on random
 weights against 3e-7 for the direct one and 2e-6 for F(2, 7) (tests/test_winograd.py). The
 interpolation points 0, +-1, +-2, +-1/2, +-3/4 and infinity gave the least rounding of the
@@ -104,10 +104,22 @@ def float32_matrices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @cache
-def plan(cols: int, d: int) -> np.ndarray:
+def plan(cols: int, d: int, frame: int = 0) -> np.ndarray:
     """The tiles of a call of `cols` columns with a dilation of d columns, as winograd.c's
-    runs [n, 4]: blocks of 4 d columns (d whole tiles each, one run with step 4 for d = 1),
-    then for the last cols mod 4 d columns tiles of the outputs that fit there."""
+    runs [n, 4], frame by frame (`frame` columns each; 0: the call is one frame): each frame's
+    as `_frame_plan` has them, from its first column."""
+    frame = frame or max(cols, 1)
+    if cols % frame:
+        raise ValueError(f"a call of {cols} columns is not whole frames of {frame}")
+    one = _frame_plan(frame, d)
+    shifts = np.arange(0, cols, frame, dtype=np.int64)[:, None, None] * np.array([1, 0, 0, 0], dtype=np.int64)
+    return (one[None] + shifts).reshape(-1, _RUN)
+
+
+def _frame_plan(cols: int, d: int) -> np.ndarray:
+    """The tiles of one frame of `cols` columns: blocks of 4 d columns (d whole tiles each,
+    one run with step 4 for d = 1), then for the last cols mod 4 d columns tiles of the outputs
+    that fit there."""
     span = OUTPUTS * d
     blocks, start = cols // span, cols // span * span
     runs = [(0, blocks, OUTPUTS, OUTPUTS)] if d == 1 else [(span * b, d, 1, OUTPUTS) for b in range(blocks)]
@@ -118,9 +130,9 @@ def plan(cols: int, d: int) -> np.ndarray:
     return np.array([r for r in runs if r[1]], dtype=np.int64).reshape(-1, _RUN)
 
 
-def tiles(cols: int, d: int) -> int:
+def tiles(cols: int, d: int, frame: int = 0) -> int:
     """The columns of each of the 10 products for a call of `cols` columns."""
-    return int(plan(cols, d)[:, 1].sum())
+    return int(plan(cols, d, frame)[:, 1].sum())
 
 
 @dataclass(frozen=True)
@@ -135,9 +147,9 @@ class Chunk:
 
 
 @cache
-def chunks(cols: int, d: int) -> tuple[Chunk, ...]:
-    """`plan(cols, d)` in chunks of at most CHUNK_TILES tiles, as even as they come."""
-    runs, count = plan(cols, d), tiles(cols, d)
+def chunks(cols: int, d: int, frame: int = 0) -> tuple[Chunk, ...]:
+    """`plan(cols, d, frame)` in chunks of at most CHUNK_TILES tiles, as even as they come."""
+    runs, count = plan(cols, d, frame), tiles(cols, d, frame)
     size = math.ceil(count / math.ceil(count / CHUNK_TILES))
     pieces: list[list[tuple[int, int, int, int]]] = [[]]
     room = size
