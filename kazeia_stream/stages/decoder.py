@@ -36,7 +36,7 @@ async def decode_frames(
 
     A push decodes up to `MAX_PUSH` frames of a segment at once. It reads the decoder's
     weights once for all of them (Zen 4, one stream: 45 ms a frame alone, 40 two at a time;
-    the Xeon with AMX: 56 alone, 42 four at a time; `python -m kazeia_stream.engine.codec
+    the Xeon with AMX: 54-59 alone, 35-36 four at a time; `python -m kazeia_stream.engine.codec
     MMPROJ 1 4`), so that frames queued behind a slow push always join the next, and a push
     waits for more frames while the listener does not need its audio yet, or has run dry
     (`_hold_until`).
