@@ -150,9 +150,6 @@ class _Passes(Generic[Item, T]):
             self._withdraw(result)
             raise
 
-    def _ask_sync(self, item: Item) -> T:
-        return self._ask_later(item).wait()
-
     def _ask_later(self, item: Item) -> _Result[T]:
         """Ask from a thread without waiting: `wait()` for the result later, or withdraw it."""
         result: _Result[T] = _Result(in_trio=False)
@@ -415,9 +412,6 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         """The audio of the stream's next frames (codes [n, groups]); `first`: its first,
         decoded ahead of others."""
         return await self._ask(_Decode(state, codes, first))
-
-    def decode_sync(self, state: DecoderState, codes: np.ndarray, first: bool = False) -> np.ndarray:
-        return self._ask_sync(_Decode(state, codes, first))
 
     @trio.lowlevel.enable_ki_protection
     def _submit(self, item: _Decode, result: _Result[np.ndarray]) -> None:

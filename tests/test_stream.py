@@ -255,7 +255,8 @@ def test_a_decode_holds_its_core_from_the_moment_it_is_asked_for(runtime, monkey
     blocker.start()
     assert busy.wait(10)  # the decoder's thread is inside a call: a decode asked now waits
     codes = np.zeros((1, runtime.codec.num_groups), dtype=np.int64)
-    decode = threading.Thread(target=runtime.decoder.decode_sync, args=(runtime.codec.new_state(), codes))
+    state = runtime.codec.new_state()
+    decode = threading.Thread(target=trio.run, args=(runtime.decoder.decode, state, codes))
     decode.start()
     try:
         deadline = time.monotonic() + 10
