@@ -24,13 +24,13 @@ Layout and speed: the layers (`codec_layers`, `codec_transformer`) take channel-
 activations, and each is a few products W @ X (`matrix.Matrix`, which says where each runs).
 Several streams' activations are [channels, time * streams], stream index fastest: the layers
 whose weights are large and columns few (up to the second decoder block, `JOINT_BLOCKS`) run on
-all the streams' columns at once, on their states stacked for the call; the later blocks run per
-stream. Each push sets its own BLAS thread count (threadpoolctl; one by default,
-whatever numpy's setting): the GEMMs are many and small, and OpenBLAS' threads spin after each
-one, taking the core that ggml's threads need (a second BLAS thread made the talker's next step
-~2x slower, and synthesis of the tiny test models 30-80x). The products in ggml graphs run on
-one thread (`DECODER_GGML_THREADS`). `python -m kazeia_stream.engine.codec MMPROJ` measures ms
-per frame.
+all the streams' columns and all the push's frames at once, on their states stacked for the
+call; the later blocks run per stream and per frame. Each push sets its own BLAS thread count
+(threadpoolctl; one by default, whatever numpy's setting): the GEMMs are many and small, and
+OpenBLAS' threads spin after each one, taking the core that ggml's threads need (a second BLAS
+thread made the talker's next step ~2x slower, and synthesis of the tiny test models 30-80x).
+The products in ggml graphs run on one thread (`DECODER_GGML_THREADS`). `python -m
+kazeia_stream.engine.codec MMPROJ` measures ms per frame.
 
 Weights come from the mmproj GGUF (`a.gen.wav.*`, see gguf_layout); every width is read from
 the tensor shapes, so the tiny test models run through the same code as the real ones.
@@ -76,10 +76,11 @@ from .threads import DECODER_THREADS, available_cores
 from .weight_cache import UNSAVED, Stale, WeightCache
 
 # `push_many` runs this many decoder blocks (and the layers before them) on all the streams'
-# columns at once; the later ones per stream (their many columns make the multiplications the
-# cost, not the weight reads: batching them measured slower). The second block's products of
-# 40-45 columns a frame share their weights once they run on our kernel (`f32_product`): four
-# streams, Zen 4, 45.0-45.7 against 47.1-48.6 ms a stream-frame with the first block alone.
+# columns and all the push's frames at once; the later ones per stream and per frame (their many
+# columns make the multiplications the cost, not the weight reads: batching them measured
+# slower). The second block's products of 40-45 columns a frame share their weights once they run
+# on our kernel (`f32_product`): four streams, Zen 4, 45.0-45.7 against 47.1-48.6 ms a
+# stream-frame with the first block alone.
 JOINT_BLOCKS = 2
 # Where our kernel does not run, a product of at most this many columns runs in a ggml graph
 # (`Matrix`), a wider one on numpy's BLAS. OpenBLAS packs
