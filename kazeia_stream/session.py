@@ -166,7 +166,8 @@ class Session:
             finally:
                 self._pending.popleft()
                 self._last = utterance.metrics
-                utterance.metrics.finished = time.perf_counter()
+                if utterance.metrics.finished is None:  # dropped before it began
+                    utterance.metrics.finished = time.perf_counter()
                 utterance.done.set()
 
     async def _speak(self, utt: Utterance) -> None:
@@ -175,6 +176,8 @@ class Session:
                 await self._actors(utt)
         except Exception as exc:  # surfaces where the caller iterates the utterance
             utt.error = leaf(exc)
+        finally:  # before its place goes to a stream that waits (which may be heard at once)
+            utt.metrics.finished = time.perf_counter()
 
     async def _actors(self, utt: Utterance) -> None:
         text_send, text_recv = trio.open_memory_channel[TextTokens](TEXT_BUFFER)
