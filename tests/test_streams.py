@@ -346,8 +346,12 @@ async def test_streams_beyond_the_maximum_wait_in_order(model, alone):
     spans: dict[str, tuple[float, float]] = {}
     out = {}
 
-    async def one(voice, seed, text, delay):
-        await trio.sleep(delay)
+    async def one(voice, seed, text, k):
+        # the k-th asks once the k before it hold their places (or one has finished): a session's
+        # opening took longer than a fixed delay in some runs, and a later one asked first
+        with trio.fail_after(60):
+            while runtime.admission.active < k and not spans:
+                await trio.sleep(0.005)
         async with runtime.open(voice=voice, seed=seed) as tts:
             utterance = tts.speak(text)
             chunks = [c.pcm async for c in utterance]
@@ -357,7 +361,7 @@ async def test_streams_beyond_the_maximum_wait_in_order(model, alone):
 
     async with trio.open_nursery() as nursery:
         for k, ((voice, seed), text) in enumerate(TEXTS.items()):
-            nursery.start_soon(one, voice, seed, text, 0.05 * k)
+            nursery.start_soon(one, voice, seed, text, k)
     # the third began once one of the first two had finished
     assert spans["aiden"][0] > min(spans["ryan"][1], spans["vivian"][1])
     assert spans["vivian"][0] < spans["ryan"][1]  # the second ran beside the first
