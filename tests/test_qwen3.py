@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 import kazeia_stream
+from kazeia_stream.engine import ggml_graph
 from kazeia_stream.engine.talker import Talker, TalkerState
 
 MB = 1 << 20
@@ -45,8 +46,15 @@ def rows(model, n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
 
 
+@pytest.fixture
+def small_pages(monkeypatch) -> None:
+    """The KV cache in 4 KiB pieces (not huge pages): fine enough to show which rows and blocks
+    of a tiny model's cache are resident."""
+    monkeypatch.setattr(ggml_graph, "huge_pages", lambda: False)
+
+
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
-def test_a_kv_cache_is_resident_only_where_it_is_written(model):
+def test_a_kv_cache_is_resident_only_where_it_is_written(model, small_pages):
     n_ctx = 65536
     cfg = model.config.talker
     kv_dim = cfg.num_kv_heads * cfg.head_dim
@@ -67,7 +75,7 @@ def test_a_kv_cache_is_resident_only_where_it_is_written(model):
 
 
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
-def test_a_finished_utterance_gives_back_all_but_the_rows_its_slot_keeps(model):
+def test_a_finished_utterance_gives_back_all_but_the_rows_its_slot_keeps(model, small_pages):
     cfg = model.config.talker
     kv_dim, page = cfg.num_kv_heads * cfg.head_dim, mmap.PAGESIZE
     talker = Talker(model.talker_file, cfg, 1, n_ctx=65536)  # F32 cache: F32 weights
