@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from page_cache import cached_pages
 
-from kazeia_stream.engine import ggml_graph
+from kazeia_stream.engine import cache_files, ggml_graph
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Weights, products
 from kazeia_stream.errors import ModelFileError
 from kazeia_stream.ggml_lib import ggml, widen
@@ -211,6 +211,18 @@ def test_memory_is_resident_where_written_and_given_back_in_whole_pieces(weights
         assert data[page - 1] == 2 and data[page] == 0 and data[3 * page] == 2
     finally:
         memory.close()
+
+
+def test_a_cache_file_leaves_the_page_cache_once_written_and_is_read_on_huge_pages(tmp_path, huge_file_pages):
+    """Our cache files (`cache_files`): written, the page cache would hold them in small
+    pieces; out of it, a load maps them on huge pages."""
+    path = tmp_path / "cache.gguf"
+    assert cache_files.write(path, "key", [BIG])
+    assert cached_pages(path) < BIG.nbytes / mmap.PAGESIZE / 100
+    saved = cache_files.read(path, "key")
+    assert saved is not None and "hg" in _mapping_field(saved[0].ctypes.data, "VmFlags")
+    np.testing.assert_array_equal(saved[0], BIG)
+    assert _pmd_mapped(saved[0].ctypes.data) >= ggml_graph.IN_PLACE_HUGE_SHARE * BIG.nbytes
 
 
 def test_a_file_cut_short_after_it_was_checked_is_a_model_file_error(tiny_gguf, tmp_path, monkeypatch):

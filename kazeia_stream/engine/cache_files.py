@@ -8,6 +8,12 @@ key that says what the arrays were made from and by (`key`): read under another 
 passed over, and made and written anew, whole (a temporary file renamed over it). A file that
 cannot be read or written is passed over, logged at debug level. Of each kind, the files used
 last are kept (`prune`).
+
+A file is mapped on huge pages where the kernel gives them: the page cache holds a file just
+written in small pieces, so a written file leaves it, and a later load reads it through a
+mapping that asks for huge ones. The decoder's products read its 0.29 GB every push: with 60%
+of them in 4 KiB pages a push of one frame took 69-79 ms in a slow phase of the Xeon with AMX,
+on huge pages 62-65 (`python -m kazeia_stream.engine.codec MMPROJ 1 4`; docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from types import ModuleType
 import numpy as np
 
 from ..errors import ModelFileError
-from ..model.gguf_file import GGUFFile
+from ..model.gguf_file import GGUFFile, drop_from_page_cache
 from . import native
+from .ggml_graph import huge_pages, huge_share
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +96,11 @@ def read(path: Path, key: str) -> list[np.ndarray] | None:
         if f.get(_KEY) != key:
             log.debug("%s: made from other files or code, to be replaced", path)
             return None
-        arrays = [f.view(str(i)) for i in range(len(f.tensor_names))]
+        names = [str(i) for i in range(len(f.tensor_names))]
+        if huge_pages() and names:  # mapped now, the arrays' bytes as one span (small ones
+            start = f.span(names[0])[0]  # each on its own would be read in small pieces)
+            huge_share(f.mapping, [(start, len(f.mapping) - start)])
+        arrays = [f.view(n) for n in names]
     except (ModelFileError, OSError, KeyError) as e:
         log.debug("%s: passed over (%s)", path, e)
         return None
@@ -99,8 +110,8 @@ def read(path: Path, key: str) -> list[np.ndarray] | None:
 
 
 def write(path: Path, key: str, arrays: Sequence[np.ndarray]) -> bool:
-    """`arrays` saved under `key`: a temporary file beside `path`, then renamed to it. Whether
-    it was."""
+    """`arrays` saved under `key`: a temporary file beside `path`, then renamed to it, and out
+    of the page cache (see the module's docstring). Whether it was."""
     import gguf  # the writer: only where a cache is written
 
     tmp = None
@@ -117,6 +128,7 @@ def write(path: Path, key: str, arrays: Sequence[np.ndarray]) -> bool:
         writer.write_tensors_to_file()
         writer.close()
         os.replace(tmp, path)
+        drop_from_page_cache(path)  # the next load reads it in huge pieces
         return True
     except OSError as e:
         log.debug("%s: not saved (%s)", path, e)

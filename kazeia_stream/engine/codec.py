@@ -517,7 +517,15 @@ def _blocks(
 @cache
 def _code() -> tuple[Path, ...]:
     """The files of the code that makes the weights' layouts (`WeightCache`'s key)."""
-    modules = [sys.modules[__name__], codec_layers, codec_transformer, matrix_products, winograd, f32_product]
+    modules = [
+        sys.modules[__name__],
+        codec_layers,
+        codec_transformer,
+        matrix_products,
+        winograd,
+        f32_product,
+        cache_files,
+    ]
     return cache_files.code(modules, ["f32_product"])
 
 

@@ -183,7 +183,7 @@ class Memory(_Tensors):
 class Weights(_Tensors):
     """A model's weights as ggml tensors of their stored types, on transparent huge pages
     where the kernel gives them (`huge_pages`): in place in the GGUF file's read-only mapping
-    where the page cache holds them in huge pieces (`_huge_share`), else read into memory of
+    where the page cache holds them in huge pieces (`huge_share`), else read into memory of
     our own; without huge pages, in place. The ones converted at load are in memory
     of our own (`Memory`).
 
@@ -207,7 +207,7 @@ class Weights(_Tensors):
         that type stores it, shaped as the tensor in numpy order, quantized rows as bytes)."""
         self._file = f.mapping
         self.spans = [f.span(src) for src in mapped.values()]  # (offset, size) in the file
-        if huge_pages() and (share := _huge_share(self._file, self.spans)) < IN_PLACE_HUGE_SHARE:
+        if huge_pages() and (share := huge_share(self._file, self.spans)) < IN_PLACE_HUGE_SHARE:
             _madvise(native.data(self._file), len(self._file), mmap.MADV_DONTNEED)  # not held twice
             starts = list(accumulate((-(-size // _ALIGN) * _ALIGN for _, size in self.spans), initial=0))
             self._bytes = _on_huge_pages(max(1, starts.pop()))
@@ -215,7 +215,7 @@ class Weights(_Tensors):
                 f.read_into(src, self._bytes[at : at + size])
             if share > 0:  # the file system gives huge pages: the next load reads them so
                 drop_from_page_cache(f.path)
-        else:  # in place, its pages mapped now rather than at the first step (`_huge_share` did)
+        else:  # in place, its pages mapped now rather than at the first step (`huge_share` did)
             if not huge_pages():
                 for offset, size in self.spans:
                     prefault(self._file[offset : offset + size])
@@ -264,7 +264,7 @@ def _on_huge_pages(size: int) -> np.ndarray:
     return np.frombuffer(memory, np.uint8)
 
 
-def _huge_share(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> float:
+def huge_share(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> float:
     """The share of the bytes at `spans` of a file's whole mapping, resident now, that lie on
     huge pages (0 where they could not all be mapped: the file was cut short). They do where
     the page cache holds the file in huge pieces: where it did not hold it yet, the kernel
