@@ -151,8 +151,8 @@ class Memory(_Tensors):
     else in 4 KiB pages. A step reads its slot's cache over every position so far, and through
     4 KiB pages it waited on the page walks: on the Xeon with AMX (random 0.6B, Q8_0) a talker
     step at position 256 on one thread took 69-73 ms, 47-49 on huge pages, and a live utterance
-    of 600 frames took 1.47x its floor against 1.35x (docs/measurements.md, 2026-12-06 before
-    dawn). A whole huge page is resident from its first write: a slot holds 112 MB of the 0.6B's
+    of 600 frames took 1.47x its floor against 1.35x (docs/measurements.md, "2026-12-06, last
+    hours"). A whole huge page is resident from its first write: a slot holds 112 MB of the 0.6B's
     cache from its first utterance on, against 17-28 MB for a short one in 4 KiB pages. A code
     predictor's cache of a few positions gains nothing, and its steps measured slower on one."""
 
