@@ -70,7 +70,7 @@ def test_a_later_load_maps_the_saved_arrays_before_the_first_frame(mmproj, tmp_p
     later = CodecDecoder(GGUFFile(mmproj), 1)
     saved = sum(m.array.nbytes for m, _ in later.products() if m.panels)
     ((size, rss),) = resident(_saved(tmp_path)[0])
-    assert 0 < saved <= rss <= size
+    assert 0 < saved <= size and saved <= rss  # (a large folio at the file's end may count a page beyond)
     assert winograd.float32_matrices.cache_info().currsize == winograd.available()
 
 
