@@ -11,15 +11,25 @@ from pathlib import Path
 import numpy as np
 
 
+def in_memory(address: int, size: int) -> np.ndarray:
+    """Whether each 4 KiB page of [address, address + size) is in memory (mincore), from the
+    page that holds `address` on."""
+    page = mmap.PAGESIZE
+    start = address // page * page
+    pages = (ctypes.c_ubyte * -(-(address + size - start) // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(len(pages) * page), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return np.frombuffer(pages, np.uint8) & 1 == 1
+
+
 def cached_pages(path: Path) -> int:
     """Pages of the file the page cache holds (mincore)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         view = np.frombuffer(m, np.uint8)
-        pages = (ctypes.c_ubyte * -(-len(m) // mmap.PAGESIZE))()
-        libc = ctypes.CDLL(None)
-        assert libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(m)), pages) == 0
+        pages = int(in_memory(view.ctypes.data, len(m)).sum())
         del view  # before the mapping closes
-    return sum(page & 1 for page in pages)
+    return pages
 
 
 def resident(path: Path) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from page_cache import cached_pages
+from page_cache import cached_pages, in_memory
 
 from kazeia_stream.engine import cache_files, ggml_graph
 from kazeia_stream.engine.ggml_graph import Allocator, ArrayTensor, Weights, products
@@ -176,15 +176,6 @@ def test_weights_cached_partly_in_small_pieces_are_copied_then_kept_in_place(tmp
         again.close()
 
 
-def _resident(data: np.ndarray) -> np.ndarray:
-    """Whether each 4 KiB page of page-aligned data is in memory (mincore)."""
-    pages = -(-data.nbytes // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(data.ctypes.data), ctypes.c_size_t(data.nbytes), vector) == 0
-    return np.frombuffer(vector, np.uint8) & 1 == 1
-
-
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
 def test_memory_is_resident_where_written_and_given_back_in_whole_pieces(weights_way):
     """Pieces of `page` bytes: huge pages where the kernel gives them (the mapping asks), else
@@ -200,13 +191,13 @@ def test_memory_is_resident_where_written_and_given_back_in_whole_pieces(weights
         page = memory.page
         assert page == (2 << 20 if weights_way else mmap.PAGESIZE)
         data = ggml_graph.view_of(memory["a"], gguf.GGMLQuantizationType.F32, (4 << 20,)).view(np.uint8)
-        assert data.ctypes.data % page == 0 and not _resident(data).any()
+        assert data.ctypes.data % page == 0 and not in_memory(data.ctypes.data, data.nbytes).any()
         data[0] = 1  # the first piece
-        assert _resident(data).sum() * mmap.PAGESIZE == page
+        assert in_memory(data.ctypes.data, data.nbytes).sum() * mmap.PAGESIZE == page
         assert ("hg" in _mapping_field(data.ctypes.data, "VmFlags")) == weights_way
         data[:] = 2
         memory.release("a", page // 2, 3 * page)  # half a piece, then two whole ones
-        pieces = _resident(data).reshape(-1, page // mmap.PAGESIZE).all(axis=1)
+        pieces = in_memory(data.ctypes.data, data.nbytes).reshape(-1, page // mmap.PAGESIZE).all(axis=1)
         assert list(pieces[:4]) == [True, False, False, True] and pieces[3:].all()
         assert data[page - 1] == 2 and data[page] == 0 and data[3 * page] == 2
     finally:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
+from page_cache import in_memory
 
 import kazeia_stream
 from kazeia_stream.engine import ggml_graph
@@ -17,23 +17,10 @@ from kazeia_stream.engine.talker import Talker, TalkerState
 MB = 1 << 20
 
 
-def resident(address: int, size: int) -> int:
-    """Bytes of [address, address + size) in memory (mincore: smaps would count a whole
-    mapping, which the kernel may have merged with its neighbours)."""
-    page = mmap.PAGESIZE
-    start = address // page * page
-    pages = -(-(address + size - start) // page)
-    vector = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vector) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vector) * page
-
-
 def cache_resident(talker: Talker) -> int:
     """Resident bytes of the talker's KV cache."""
     memory = talker.lm.cache
-    return resident(memory._bytes.ctypes.data, memory._bytes.nbytes)
+    return int(in_memory(memory._bytes.ctypes.data, memory._bytes.nbytes).sum()) * mmap.PAGESIZE
 
 
 @pytest.fixture(scope="module")

@@ -159,8 +159,8 @@ class Memory(_Tensors):
     def __init__(self, specs: Mapping[str, tuple[QType, tuple[int, ...]]]) -> None:
         sizes = [-(-nbytes(qtype, shape) // _ALIGN) * _ALIGN for qtype, shape in specs.values()]
         total = max(1, sum(sizes))
-        huge = huge_pages() and min(sizes, default=0) >= _huge_page_size()
-        self.page = _huge_page_size() if huge else mmap.PAGESIZE
+        huge = _huge_page_size()
+        self.page = huge if huge_pages() and min(sizes, default=0) >= huge else mmap.PAGESIZE
         self._bytes, self._mapping, self._start = _zeroed(total, self.page)
         super().__init__(len(specs), native.data(self._bytes), total)
         offset = 0
