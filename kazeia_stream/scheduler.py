@@ -15,8 +15,10 @@ for the others', see `Qwen3LM._product`), and no stream waits for another's whol
   it begins at that pass's next engine call boundary (after the talker's step, or between two
   code-predictor passes), with one prefill piece and, when that was its last, its first frame;
   that frame is decoded in a pass of its own, ahead of other streams' later frames (or, when
-  the decoder is in a pass over later frames, between two of its streams, whose later blocks
-  run stream by stream), so that its time to first audio stays short.
+  the decoder is in a pass over later frames, at its next boundary: between two of its
+  streams' frames, whose later blocks run stream by stream), on every core, so that its time
+  to first audio stays short. Until it is asked for, such a pass waits at that boundary and
+  its cores go to the generator (`SharedCores.give_way`).
 - Calls that need the engines alone (a session's prefix rows, a voice's decoder priming) run
   between passes, in the engines' thread.
 
@@ -418,6 +420,8 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         with self._cond:
             self.cores.asked = self.threads
             super()._submit(item, result)
+        if item.first:  # a pass giving way to beginning utterances decodes it (`give_way`)
+            self.cores.wake()
 
     @trio.lowlevel.enable_ki_protection
     def _withdraw(self, result: _Result[np.ndarray]) -> None:
@@ -436,6 +440,10 @@ class Decoder(_Passes[_Decode, np.ndarray]):
             self._queue = [(d, r) for d, r in self._queue if not d.first]
         return firsts
 
+    def _first_asked(self) -> bool:
+        """Whether a first frame waits for its decode."""
+        return any(d.first for d, _ in self._queue)
+
     def _unask(self) -> None:
         """No cores set aside for a decode that waits for its pass, when none does (under the
         lock)."""
@@ -453,18 +461,21 @@ class Decoder(_Passes[_Decode, np.ndarray]):
                 self._unask()
 
             def between() -> None:
-                """Between two streams of a pass over later frames: first frames asked for
-                since it began are decoded now, not after it (a stream joining others is heard
-                up to a pass sooner; the pass's later streams wait that long). A pass of first
-                frames leaves them to the next, which takes every core when they are all the
-                streams there are."""
+                """Before a pass over later frames and between two of its streams' frames: it
+                gives way while an utterance begins (`SharedCores.give_way`), and first frames
+                asked for since it began are decoded now, not after it (a stream joining others
+                is heard up to a pass sooner; the pass's later streams wait that long). A pass
+                of first frames leaves them to the next, which takes every core when they are
+                all the streams there are."""
+                self.cores.give_way(self._first_asked)
                 with self._cond:
                     firsts = self._take_firsts()
                     self._unask()
                 if not firsts:
                     return
                 try:
-                    pcm = self._decode(codec, firsts, threads)
+                    with self.cores.alone() as every:
+                        pcm = self._decode(codec, firsts, every)
                 except BaseException as exc:  # the pass's own frames get it from `_run`
                     for _, result in firsts:
                         result.set(error=exc)
@@ -473,6 +484,8 @@ class Decoder(_Passes[_Decode, np.ndarray]):
                 served.extend(firsts)
 
             later = not any(d.first for d, _ in batch)
+            if later:
+                between()
             pcm = self._decode(codec, batch, threads, between if later else None)
         self._hand(batch, pcm)  # once the cores are given back
         with self._cond:

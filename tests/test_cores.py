@@ -102,6 +102,35 @@ def test_graph_calls_that_start_while_a_pass_runs_alone_wait_for_it():
     assert not waiting.is_alive() and len(done) == 2
 
 
+def test_a_decoder_pass_gives_way_while_an_utterance_begins_until_its_first_frame_is_asked():
+    """Beside an utterance's first frame being generated, the decoder's pass over later frames
+    waits at its next boundary and the graph calls take its cores (and those set aside for the
+    decodes queued); once a first frame is asked for decoding, or no utterance begins, it goes
+    on and holds them again."""
+    cores = SharedCores(2)
+    first_asked = threading.Event()
+    with cores.lend(1):
+        cores.asked = 1
+        cores.give_way(first_asked.is_set)  # nobody begins: at once
+        assert cores.threads(2) == 1
+        with cores.beginning():
+            passing = threading.Thread(target=cores.give_way, args=(first_asked.is_set,))
+            passing.start()
+            passing.join(0.3)
+            assert passing.is_alive() and cores.threads(2) == 2
+            first_asked.set()
+            cores.wake()
+            passing.join(5)
+            assert not passing.is_alive() and cores.threads(2) == 1
+            first_asked.clear()
+            passing = threading.Thread(target=cores.give_way, args=(first_asked.is_set,))
+            passing.start()
+            passing.join(0.3)
+            assert passing.is_alive()
+        passing.join(5)  # the utterance began (or left)
+        assert not passing.is_alive() and cores.threads(2) == 1
+
+
 async def test_beside_a_busy_process_the_generator_runs_its_graphs_on_one_thread(tiny_runtime, monkeypatch):
     runtime = tiny_runtime("custom_voice")
     threads = []  # the thread count of each graph the talker and the code predictor ran

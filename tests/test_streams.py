@@ -251,8 +251,8 @@ def test_a_stream_that_has_not_begun_stops_the_code_predictors_steps_in_c(shared
 
 def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_streams(shared):
     """A stream that joins is heard before the running streams' pass ends: its first frame,
-    asked for while that pass runs, is decoded after the first of the pass's streams, and
-    every stream's samples are those it gets decoded alone."""
+    asked for while that pass runs, is decoded at its first boundary, on every core, and every
+    stream's samples are those it gets decoded alone."""
     codec = shared.codec
     rng = np.random.default_rng(0)
     codes = [rng.integers(0, codec.quantizer.codebook_size, (1, codec.num_groups)) for _ in range(3)]
@@ -268,13 +268,24 @@ def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_st
             handed.append(self)
             super().set(value, error)
 
-    decoder = Decoder(lambda: codec, 1, SharedCores(2), lambda: 3)  # driven here, in this thread
+    pushes: list[tuple[int, int | None]] = []  # (streams, threads) of each push
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(codec, name)
+
+        def push_many(self, states, codes, threads=None, between=None):
+            pushes.append((len(states), threads))
+            return codec.push_many(states, codes, threads, between)
+
+    decoder = Decoder(Counted, 1, SharedCores(2), lambda: 3)  # driven here, in this thread
     results = [Recorded(in_trio=False) for _ in range(3)]
     decoder._queue = [(_Decode(state, c, first=False), r) for state, c, r in zip(running, codes, results)]
     batch = decoder._take()
     decoder._queue = [(_Decode(codec.new_state(), codes[2], first=True), results[2])]  # asked meanwhile
     decoder._pass(batch)
     assert decoder._queue == [] and handed == [results[2], results[0], results[1]]
+    assert pushes == [(1, 2), (2, 1)]  # the first frame on every core, the pass's on its own
     for r, audio in zip(results, expected):
         np.testing.assert_array_equal(r.wait(), audio)
     # a pass of first frames leaves those asked for meanwhile to the next (every core, when

@@ -41,8 +41,8 @@ async def decode_frames(
     waits for more frames while the listener does not need its audio yet, or has run dry
     (`_hold_until`).
     An utterance's first frame is never held: its audio comes alone, as soon as it can
-    (decoded ahead of other streams' frames, and alone, on every core, the generator waiting,
-    when no other stream runs). Pushes give the samples of one-frame pushes, bit for bit.
+    (decoded ahead of other streams' frames, and alone, on every core, the generator
+    waiting). Pushes give the samples of one-frame pushes, bit for bit.
     Sets `first_audio` once the first chunk exists, records the decoder's trace (each frame
     its share of its push), the time of the first audio and the samples produced."""
     state: DecoderState | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -33,7 +34,9 @@ async def generate_frames(
 
     After the first frame it waits for `first_audio`: the first decode, which audio cannot start
     without, then does not share the cores with this utterance's next frame (alone on 2 cores:
-    0.17 s instead of 0.27-0.45 s beside the next frame's generation).
+    0.17 s instead of 0.27-0.45 s beside the next frame's generation). Until then the utterance
+    is `beginning` (`SharedCores`): the decoder's passes over other streams' frames give way
+    to its first frame.
 
     In streaming mode the talker starts once `text_needed` tokens are known (1; more for an
     in-context voice, whose prompt aligns the text with the reference frames); when it needs a
@@ -89,14 +92,15 @@ async def _frames(
             msg = await tokens.receive()
             state.text.add(msg.ids, msg.segment_end)
         start = time.perf_counter()
-        codes = await loop.next_frame(state)
-        if codes is None:
-            return index
-        metrics.generator.add(index, start, time.perf_counter())
-        await out.send(Frame(index, codes, new_segment=index == first))
-        index += 1
-        if index == 1:
-            await first_audio.wait()
+        with loop.cores.beginning() if index == 0 else contextlib.nullcontext():
+            codes = await loop.next_frame(state)
+            if codes is None:
+                return index
+            metrics.generator.add(index, start, time.perf_counter())
+            await out.send(Frame(index, codes, new_segment=index == first))
+            index += 1
+            if index == 1:
+                await first_audio.wait()
 
 
 async def _skip_rest(state: FrameState, tokens: trio.MemoryReceiveChannel[TextTokens]) -> None:
