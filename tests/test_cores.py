@@ -102,11 +102,12 @@ def test_graph_calls_that_start_while_a_pass_runs_alone_wait_for_it():
     assert not waiting.is_alive() and len(done) == 2
 
 
-def test_a_decoder_pass_gives_way_while_an_utterance_begins_until_its_first_frame_is_asked():
+def test_a_decoder_pass_gives_way_while_an_utterance_begins_until_its_first_frame_is_asked(monkeypatch):
     """Beside an utterance's first frame being generated, the decoder's pass over later frames
     waits at its next boundary and the graph calls take its cores (and those set aside for the
     decodes queued); once a first frame is asked for decoding, or no utterance begins, it goes
     on and holds them again."""
+    monkeypatch.setattr(SharedCores, "GIVE_WAY_S", 60.0)
     cores = SharedCores(2)
     first_asked = threading.Event()
     with cores.lend(1):
@@ -129,6 +130,20 @@ def test_a_decoder_pass_gives_way_while_an_utterance_begins_until_its_first_fram
             assert passing.is_alive()
         passing.join(5)  # the utterance began (or left)
         assert not passing.is_alive() and cores.threads(2) == 1
+
+
+def test_a_long_beginning_holds_the_decoder_pass_back_for_a_while_only(monkeypatch):
+    """A beginning that takes long (a long prefill) holds the decoder's pass back for
+    `GIVE_WAY_S` from its start, not until it ends."""
+    monkeypatch.setattr(SharedCores, "GIVE_WAY_S", 0.3)
+    cores = SharedCores(2)
+    with cores.lend(1), cores.beginning():
+        start = time.monotonic()
+        cores.give_way(lambda: False)
+        waited = time.monotonic() - start
+        assert 0.25 <= waited < 2
+        cores.give_way(lambda: False)  # its while is over: at once
+        assert time.monotonic() - start - waited < 0.1
 
 
 async def test_beside_a_busy_process_the_generator_runs_its_graphs_on_one_thread(tiny_runtime, monkeypatch):

@@ -249,7 +249,7 @@ def test_a_stream_that_has_not_begun_stops_the_code_predictors_steps_in_c(shared
         frames.finish(state)
 
 
-def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_between_its_streams(shared):
+def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_at_its_next_boundary(shared):
     """A stream that joins is heard before the running streams' pass ends: its first frame,
     asked for while that pass runs, is decoded at its first boundary, on every core, and every
     stream's samples are those it gets decoded alone."""

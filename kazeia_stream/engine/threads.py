@@ -150,6 +150,9 @@ class SharedCores:
     """
 
     GIVE_BACK = 0.35  # of a core others held, the reading below which it is theirs no more
+    # how long an utterance's beginning holds the decoder's passes back at most (`give_way`):
+    # a joining stream's prefill step and first frame take 60-100 ms on 2 cores
+    GIVE_WAY_S = 0.25
 
     def __init__(self, count: int, others: OthersLoad | None = None) -> None:
         self.count = count  # the cores the engines were given
@@ -158,7 +161,7 @@ class SharedCores:
         self.others = others or OthersLoad()
         self._taken = 0  # the cores others held at the last reading
         self._alone = 0  # passes running that the graphs' calls wait for
-        self._beginning = 0  # utterances whose first audio is being made (`beginning`)
+        self._beginnings: list[float] = []  # when each utterance now `beginning` began
         self._giving_way = False  # the decoder's pass holds no cores meanwhile (`give_way`)
         self._changed = threading.Condition()
         # how often the cores were lent, given back, set aside or taken alone, or a stream came
@@ -199,29 +202,38 @@ class SharedCores:
     @contextmanager
     def beginning(self) -> Iterator[None]:
         """While the block runs, an utterance's first frame is generated: the decoder's passes
-        over other streams' later frames give way to it (`give_way`)."""
+        over other streams' later frames give way to it (`give_way`) for `GIVE_WAY_S` at most."""
+        began = time.monotonic()
         with self._changed:
-            self._beginning += 1
+            self._beginnings.append(began)
         try:
             yield
         finally:
             with self._changed:
-                self._beginning -= 1
+                self._beginnings.remove(began)
                 self._changed.notify_all()
 
     def give_way(self, first_asked: Callable[[], bool]) -> None:
-        """Between two frames of the decoder's pass over later frames: while an utterance is
-        `beginning` and no first frame is asked for decoding (`first_asked()`; its asking calls
-        `wake`), the pass waits, and the graphs' calls take the cores it holds or has set aside.
-        A stream joining three others on 2 cores otherwise made its first frame on one core,
-        the prefill's step and the code predictor's passes taking 120 ms instead of about 65."""
+        """At a boundary of the decoder's pass over later frames (before it, between two of its
+        streams' frames): while an utterance is `beginning`, for `GIVE_WAY_S` from its start,
+        and no first frame is asked for decoding (`first_asked()`; its asking calls `wake`),
+        the pass waits, and the graphs' calls take the cores it holds or has set aside. A
+        stream joining three others on 2 cores otherwise made its first frame on one core, the
+        prefill's step and the code predictor's passes taking 120 ms instead of about 65; a
+        longer prefill (a cloned voice's reference frames) holds the others' audio back no
+        longer than that."""
+
+        def left() -> float:
+            return max(self._beginnings, default=-math.inf) + self.GIVE_WAY_S - time.monotonic()
+
         with self._changed:
-            if not self._beginning or first_asked():
+            if first_asked() or left() <= 0:
                 return
             self._giving_way = True
             self.changed()
             try:
-                self._changed.wait_for(lambda: not self._beginning or first_asked())
+                while not first_asked() and (wait := left()) > 0:
+                    self._changed.wait(wait)
             finally:
                 self._giving_way = False
                 self.changed()
