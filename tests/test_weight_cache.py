@@ -4,6 +4,7 @@ that no longer fits, or cannot be read or written, passed over."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -70,7 +71,9 @@ def test_a_later_load_maps_the_saved_arrays_before_the_first_frame(mmproj, tmp_p
     later = CodecDecoder(GGUFFile(mmproj), 1)
     saved = sum(m.array.nbytes for m, _ in later.products() if m.panels)
     ((size, rss),) = resident(_saved(tmp_path)[0])
-    assert 0 < saved <= size and saved <= rss  # (a large folio at the file's end may count a page beyond)
+    # smaps counts a large folio at the file's end a page beyond the mapping, or a page short
+    # of it (seen both ways in clean-clone CI); without the mapping populated, most are missing
+    assert 0 < saved <= size and saved <= rss + mmap.PAGESIZE
     assert winograd.float32_matrices.cache_info().currsize == winograd.available()
 
 
