@@ -441,7 +441,9 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         return firsts
 
     def _first_asked(self) -> bool:
-        """Whether a first frame waits for its decode."""
+        """Whether a first frame waits for its decode. Read under the cores' lock, not the
+        queue's (`give_way`): a first frame appended meanwhile is seen at the `wake` that
+        follows it."""
         return any(d.first for d, _ in self._queue)
 
     def _unask(self) -> None:
