@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import ModelFileError
 from ..model.gguf_file import GGUFFile, drop_from_page_cache
 from . import native
-from .ggml_graph import huge_pages, huge_share
+from .ggml_graph import huge_pages, map_huge
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def read(path: Path, key: str) -> list[np.ndarray] | None:
         names = [str(i) for i in range(len(f.tensor_names))]
         if huge_pages() and names:  # mapped now, the arrays' bytes as one span (small ones
             start = f.span(names[0])[0]  # each on its own would be read in small pieces)
-            huge_share(f.mapping, [(start, len(f.mapping) - start)])
+            map_huge(f.mapping, [(start, len(f.mapping) - start)])
         arrays = [f.view(n) for n in names]
     except (ModelFileError, OSError, KeyError) as e:
         log.debug("%s: passed over (%s)", path, e)

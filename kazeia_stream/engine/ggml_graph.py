@@ -266,20 +266,28 @@ def _on_huge_pages(size: int) -> np.ndarray:
 
 def huge_share(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> float:
     """The share of the bytes at `spans` of a file's whole mapping, resident now, that lie on
-    huge pages (0 where they could not all be mapped: the file was cut short). They do where
-    the page cache holds the file in huge pieces: where it did not hold it yet, the kernel
-    reads it so for a mapping that asks (madvise MADV_HUGEPAGE; Linux 6.18 on ext4 does), from
-    the first huge page a read faults in on (so each span is read from its first whole huge
-    page on: one that holds pages read before, the header's, had the kernel read all the rest
-    in small pieces); where it holds it in small pieces (a file just written, or read in small
-    reads), they do not."""
-    start, huge = native.data(mapping), _huge_page_size()
-    _madvise(start, len(mapping), mmap.MADV_HUGEPAGE)
+    huge pages once mapped (`map_huge`; 0 where they could not all be mapped: the file was cut
+    short)."""
+    if not map_huge(mapping, spans):
+        return 0.0
+    return _huge_bytes(native.data(mapping)) / max(1, sum(n for _, n in spans))
+
+
+def map_huge(mapping: np.ndarray, spans: Sequence[tuple[int, int]]) -> bool:
+    """Map the bytes at `spans` of a file's whole mapping now, on huge pages where the page
+    cache holds the file in huge pieces: where it did not hold it yet, the kernel reads it so
+    for a mapping that asks (madvise MADV_HUGEPAGE; Linux 6.18 on ext4 does), from the first
+    huge page a read faults in on (so each span is read from its first whole huge page on: one
+    that holds pages read before, the header's, had the kernel read all the rest in small
+    pieces); where it holds it in small pieces (a file just written, or read in small reads),
+    they are not. Whether they could all be mapped (not where the file was cut short)."""
+    huge = _huge_page_size()
+    _madvise(native.data(mapping), len(mapping), mmap.MADV_HUGEPAGE)
     for offset, n in spans:  # from its first huge page on, then its head; never to SIGBUS
         cut = min(offset + n, -(-offset // huge) * huge)
         if not (_populate(mapping[cut : offset + n]) and _populate(mapping[offset:cut])):
-            return 0.0
-    return _huge_bytes(start) / max(1, sum(n for _, n in spans))
+            return False
+    return True
 
 
 @cache
