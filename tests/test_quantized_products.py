@@ -99,8 +99,32 @@ def test_the_variants_differ_by_float_rounding_only(weight):
     if len(kernel.variants()) < 2:
         pytest.skip("this CPU runs one variant")
     x = np.random.default_rng(4).standard_normal((5, shape[1]), dtype=np.float32)
-    a, b = (products(w, x, Allocator(), 1, partial(kernel.product, variant=v)) for v in kernel.variants())
-    assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+    a, *others = (
+        products(w, x, Allocator(), 1, partial(kernel.product, variant=v)) for v in kernel.variants()
+    )
+    for b in others:
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(200, 96), (64, 1024), (40, 352), (48, 3072)])
+def test_amx_s_tiles_give_the_avx512_variant_s_numbers_bit_for_bit(shape, threads):
+    """AMX's tiles take three or four rows of x at a time, whole tiles of 16 weight rows, and the
+    blocks beyond the last group of eight as any other; their sums in the AVX512 variant's
+    order, so that a stream's numbers are the same beside any others and on either."""
+    if "amx" not in q8_product.KERNEL.variants():
+        pytest.skip("this CPU has no AMX")
+    rng = np.random.default_rng(6)
+    w = ArrayTensor(quantize(rng.standard_normal(shape, dtype=np.float32), QType.Q8_0), QType.Q8_0, shape)
+    x = rng.standard_normal((11, shape[1]), dtype=np.float32)
+    try:
+        amx, avx512 = (
+            products(w.tensor, x, Allocator(), threads, partial(q8_product.KERNEL.product, variant=v))
+            for v in ("amx", "avx512")
+        )
+    finally:
+        w.close()
+    assert np.array_equal(amx, avx512) and np.all(np.any(amx, axis=1))
 
 
 def test_every_replay_computes_every_row_on_any_thread_count(weight, op):

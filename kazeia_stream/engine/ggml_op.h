@@ -103,22 +103,28 @@ static inline void claimed(struct claims *claims, int nth) {
 
 /* How a variant lays out a row of x once quantized, per group of weight blocks (a row whose
    block count is no multiple of the group's takes the room of one more): blocks, bytes of int8
-   (and whatever else the variant keeps there) and floats of scales. */
+   (and whatever else the variant keeps there) and floats of scales. `pack`, where a variant
+   has one: what its tiles read besides, made once an operation for each set of rows of x that
+   pass the tiles together (ROWS at most) from their quantized rows, in `packed_bytes(nb)`. */
 struct layout {
     int blocks, bytes, floats;
+    size_t (*packed_bytes)(int64_t nb);
+    void (*pack)(const int8_t *q, const float *d, size_t q_row, size_t d_row, int n, int64_t nb, void *packed);
 };
 
 /* dst[r][row] for weight rows [r0, r1) (nb blocks each) and rows r of x in [0, n), n <= ROWS:
-   x's rows of q_row bytes and d_row scales, as the variant's layout. */
+   x's rows of q_row bytes and d_row scales, as the variant's layout, and what its `pack` made of
+   them (NULL without one). */
 typedef void tile_fn(const void *w, int64_t nb, size_t q_row, size_t d_row, int n, const int8_t *q,
-                     const float *d, float *dst, size_t dst_row, int64_t r0, int64_t r1);
+                     const float *d, float *dst, size_t dst_row, int64_t r0, int64_t r1, const void *packed);
 
 /* A tile_fn over `rows`, a body inlined for each n: its accumulators stay in registers. Any
    further arguments go to `rows` after the tile's, as constants of each body. */
 #define TILE(target, name, rows, ...)                                                           \
     target static void name(const void *w, int64_t nb, size_t q_row, size_t d_row, int n,       \
                             const int8_t *q, const float *d, float *dst, size_t dst_row,        \
-                            int64_t r0, int64_t r1) {                                           \
+                            int64_t r0, int64_t r1, const void *packed) {                       \
+        (void)packed;                                                                           \
         switch (n) {                                                                            \
         case 1: rows(w, nb, q_row, d_row, 1, q, d, dst, dst_row, r0, r1, ##__VA_ARGS__); break; \
         case 2: rows(w, nb, q_row, d_row, 2, q, d, dst, dst_row, r0, r1, ##__VA_ARGS__); break; \
@@ -172,18 +178,32 @@ static inline void product(struct tensor *dst, int ith, int nth, struct claims *
         }
         quantize(row, k, q + r * q_row, d + r * d_row);
     }
+    /* the sets of rows that pass the tiles together: those that take the same matrix one after
+       another, ROWS at most; what the variant packs of each */
+    int64_t *sets = malloc((size_t)(n + 1) * sizeof *sets), count = 0;
+    if (sets == NULL) abort();
+    for (int64_t r = 0; r < n; count++) {
+        const int64_t matrix = matrix_of(w, ids, r);
+        sets[count] = r++;
+        while (r < n && r - sets[count] < ROWS && matrix_of(w, ids, r) == matrix) r++;
+    }
+    sets[count] = n;
+    const size_t pack_bytes = layout->pack != NULL ? (layout->packed_bytes(nb) + 63) / 64 * 64 : 0;
+    char *packed = pack_bytes ? aligned_alloc(64, count * pack_bytes) : NULL;
+    if (pack_bytes && packed == NULL) abort();
+    for (int64_t s = 0; pack_bytes && s < count; s++)
+        layout->pack(q + sets[s] * q_row, d + sets[s] * d_row, q_row, d_row, (int)(sets[s + 1] - sets[s]), nb,
+                     packed + s * pack_bytes);
     const size_t dst_row = dst->nb[1] / sizeof(float);
     for (int64_t first, last; claim(claims, m, ith, nth, &first, &last);) {
         for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
             int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
-            for (int64_t r = 0, count; r < n; r += count) {
-                const int64_t matrix = matrix_of(w, ids, r);
-                for (count = 1; count < ROWS && r + count < n; count++)
-                    if (matrix_of(w, ids, r + count) != matrix) break;
-                const char *weights = (const char *)w->data + matrix * w->nb[2];
+            for (int64_t s = 0; s < count; s++) {
+                const int64_t r = sets[s];
+                const char *weights = (const char *)w->data + matrix_of(w, ids, r) * w->nb[2];
                 float *out = (float *)dst->data + r * dst_row;
-                tile(weights, nb, q_row, d_row, (int)count, q + r * q_row, d + r * d_row, out,
-                     dst_row, r0, r1);
+                tile(weights, nb, q_row, d_row, (int)(sets[s + 1] - r), q + r * q_row, d + r * d_row, out,
+                     dst_row, r0, r1, packed != NULL ? packed + s * pack_bytes : NULL);
             }
         }
         if (residual != NULL) /* ggml's add: residual + product */
@@ -194,6 +214,8 @@ static inline void product(struct tensor *dst, int ith, int nth, struct claims *
             }
     }
     claimed(claims, nth);
+    free(sets);
+    free(packed);
     free(q);
     free(d);
     free(normed);

@@ -83,12 +83,12 @@ static void quantize_q8k(const float *x, int64_t k, int8_t *q, float *d, int n) 
 }
 
 /* Q4_K's x: the sums of its eight sub-blocks of 32. */
-static const struct layout layout_q4k = {1, QK_K + 16, 1};
+static const struct layout layout_q4k = {1, QK_K + 16, 1, NULL, NULL};
 
 static void quantize_q4k(const float *x, int64_t k, int8_t *q, float *d) { quantize_q8k(x, k, q, d, 32); }
 
 /* Q6_K's x: the sums of its sixteen groups of 16 (ggml's bsums). */
-static const struct layout layout_q6k = {1, QK_K + 32, 1};
+static const struct layout layout_q6k = {1, QK_K + 32, 1, NULL, NULL};
 
 static void quantize_q6k(const float *x, int64_t k, int8_t *q, float *d) { quantize_q8k(x, k, q, d, 16); }
 

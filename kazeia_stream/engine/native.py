@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import clib
 
-VARIANTS = ("avx512", "avx2")  # each kernel's, best first: `kz_*_level()` 2 runs both, 1 the second
+# each kernel's, best first: `kz_*_level()` n runs the last n ("amx": the Q8_0 kernel's only)
+VARIANTS = ("amx", "avx512", "avx2")
 
 
 @cache
