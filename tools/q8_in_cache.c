@@ -26,21 +26,22 @@ int main(void) {
         puts("this CPU runs neither variant (AVX2 with FMA and F16C, or AVX512-VNNI)");
         return 1;
     }
-    const struct layout *layout = level == 2 ? &layout512 : &layout256;
-    tile_fn *tile = level == 2 ? tile512() : tile256;
+    const int avx512 = level >= 2; /* where AMX runs too, one row of x takes AVX512's loops */
+    const struct layout *layout = avx512 ? &layout512 : &layout256;
+    tile_fn *tile = avx512 ? tile512() : tile256;
     const int64_t k = 1024, nb = k / 32, groups = (nb + layout->blocks - 1) / layout->blocks;
     const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
     float *x = aligned_alloc(64, k * sizeof(float));
     int8_t *q = aligned_alloc(64, q_row);
     float *d = aligned_alloc(64, d_row * sizeof(float));
     for (int64_t i = 0; i < k; i++) x[i] = (float)((i * 7919) % 200 - 100) / 37.0f;
-    (level == 2 ? quantize512 : quantize256)(x, k, q, d);
+    (avx512 ? quantize512 : quantize256)(x, k, q, d);
     const struct {
         const char *where;
         size_t bytes;
         int repeat;
     } cases[] = {{"L2 cache", 256 << 10, 2000}, {"memory", (size_t)512 << 20, 3}};
-    printf("%s variant, 1 thread, 1 row of x\n", level == 2 ? "AVX512-VNNI" : "AVX2");
+    printf("%s variant, 1 thread, 1 row of x\n", avx512 ? "AVX512-VNNI" : "AVX2");
     for (int c = 0; c < 2; c++) {
         const int64_t m = cases[c].bytes / (nb * sizeof(block_q8_0));
         block_q8_0 *w = aligned_alloc(64, (m * nb * sizeof(block_q8_0) + 63) / 64 * 64);
@@ -54,7 +55,7 @@ int main(void) {
             const double t0 = now();
             for (int r = 0; r < cases[c].repeat; r++)
                 for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS)
-                    tile(w, nb, q_row, d_row, 1, q, d, dst, 0, r0, r0 + TILE_ROWS < m ? r0 + TILE_ROWS : m);
+                    tile(w, nb, q_row, d_row, 1, q, d, dst, 0, r0, r0 + TILE_ROWS < m ? r0 + TILE_ROWS : m, NULL);
             const double t = (now() - t0) / cases[c].repeat;
             best = t < best ? t : best;
         }
