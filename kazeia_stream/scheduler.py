@@ -296,6 +296,7 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
 
     @trio.lowlevel.enable_ki_protection
     def _submit(self, item: FrameState, result: _Result[np.ndarray | None]) -> None:
+        self.cores.generating(True)
         super()._submit(item, result)
         if item.prefill is None:  # it has not begun: a pass's steps in C let it in (`_between`)
             self.cores.changed()
@@ -342,6 +343,11 @@ class Generator(_Passes[FrameState, "np.ndarray | None"]):
     def forget(self, asked: _Result[np.ndarray | None]) -> None:
         """Withdraw a frame asked for and no longer wanted (a pass that took it ends it)."""
         self._withdraw(asked)
+
+    def _work(self) -> _Call | _Frames | None:
+        work = super()._work()
+        self.cores.generating(work is not None)  # none: the decoder may take its cores
+        return work
 
     def _take(self) -> _Frames:
         """Streams that have begun, whose pass takes the others in at its first call boundary
@@ -458,36 +464,40 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         alone = all(d.first for d, _ in batch) and self.streams() <= len(batch)
         codec = self.codec()
         served = list(batch)
-        with self.cores.alone() if alone else self.cores.lend(self.threads) as threads:
+        with (
+            self.cores.alone() if alone else self.cores.lend(self.threads) as threads,
+            self.cores.spare(threads) as spare,
+        ):
             with self._cond:
                 self._unask()
 
-            def between() -> None:
-                """Before a pass over later frames and between two of its streams' frames: it
-                gives way while an utterance begins (`SharedCores.give_way`), and first frames
-                asked for since it began are decoded now, not after it (a stream joining others
-                is heard up to a pass sooner; the pass's later streams wait that long). A pass
-                of first frames leaves them to the next, which takes every core when they are
-                all the streams there are."""
+            def between(use: Callable[[int], None]) -> None:
+                """At the start of a pass over later frames and between two of its streams'
+                frames: it gives way while an utterance begins (`SharedCores.give_way`), and
+                first frames asked for since it began are decoded now, not after it (a stream
+                joining others is heard up to a pass sooner; the pass's later streams wait that
+                long), on its own threads meanwhile (a helper of its products would spin beside
+                the cores it leaves to others); its next frames on more while the generator has
+                no work (`SharedCores.spare`). A pass of first frames leaves them to the next,
+                which takes every core when they are all the streams there are."""
+                use(threads)
                 self.cores.give_way(self._first_asked)
                 with self._cond:
                     firsts = self._take_firsts()
                     self._unask()
-                if not firsts:
-                    return
-                try:
-                    with self.cores.alone() as every:
-                        pcm = self._decode(codec, firsts, every)
-                except BaseException as exc:  # the pass's own frames get it from `_run`
-                    for _, result in firsts:
-                        result.set(error=exc)
-                    raise
-                self._hand(firsts, pcm)
-                served.extend(firsts)
+                if firsts:
+                    try:
+                        with self.cores.alone() as every:
+                            pcm = self._decode(codec, firsts, every)
+                    except BaseException as exc:  # the pass's own frames get it from `_run`
+                        for _, result in firsts:
+                            result.set(error=exc)
+                        raise
+                    self._hand(firsts, pcm)
+                    served.extend(firsts)
+                use(spare())
 
             later = not any(d.first for d, _ in batch)
-            if later:
-                between()
             pcm = self._decode(codec, batch, threads, between if later else None)
         self._hand(batch, pcm)  # once the cores are given back
         with self._cond:
@@ -498,7 +508,7 @@ class Decoder(_Passes[_Decode, np.ndarray]):
         codec: CodecDecoder,
         batch: list[tuple[_Decode, _Result[np.ndarray]]],
         threads: int,
-        between: Callable[[], None] | None = None,
+        between: Callable[[Callable[[int], None]], None] | None = None,
     ) -> list[np.ndarray]:
         """The batch's audio: its streams that push as many frames together (`push_many`'s
         rule), each such group after the other."""

@@ -132,6 +132,22 @@ def test_a_decoder_pass_gives_way_while_an_utterance_begins_until_its_first_fram
         assert not passing.is_alive() and cores.threads(2) == 1
 
 
+def test_a_decoder_pass_holds_the_cores_the_generator_leaves_idle_until_it_has_work():
+    """`spare`: at each boundary of the decoder's pass, every core while the generator has no
+    work, its own once it has; the graph calls get the rest; all given back after the pass."""
+    cores = SharedCores(2)
+    cores.generating(True)
+    with cores.lend(1) as own, cores.spare(own) as spare:
+        assert spare() == 1 and cores.lent == 1 and cores.threads(2) == 1
+        cores.generating(False)
+        assert spare() == 2 and cores.lent == 2 and cores.threads(2) == 1
+        cores.generating(True)
+        assert spare() == 1 and cores.lent == 1
+        cores.generating(False)
+        assert spare() == 2
+    assert cores.lent == 0 and cores.threads(2) == 2
+
+
 def test_a_long_beginning_holds_the_decoder_pass_back_for_a_while_only(monkeypatch):
     """A beginning that takes long (a long prefill) holds the decoder's pass back for
     `GIVE_WAY_S` from its start, not until it ends."""

@@ -278,14 +278,16 @@ def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_at_its_next_bo
             pushes.append((len(states), threads))
             return codec.push_many(states, codes, threads, between)
 
-    decoder = Decoder(Counted, 1, SharedCores(2), lambda: 3)  # driven here, in this thread
+    cores = SharedCores(2)
+    cores.generating(True)  # the next frames are being generated beside the pass
+    decoder = Decoder(Counted, 1, cores, lambda: 3)  # driven here, in this thread
     results = [Recorded(in_trio=False) for _ in range(3)]
     decoder._queue = [(_Decode(state, c, first=False), r) for state, c, r in zip(running, codes, results)]
     batch = decoder._take()
     decoder._queue = [(_Decode(codec.new_state(), codes[2], first=True), results[2])]  # asked meanwhile
     decoder._pass(batch)
     assert decoder._queue == [] and handed == [results[2], results[0], results[1]]
-    assert pushes == [(1, 2), (2, 1)]  # the first frame on every core, the pass's on its own
+    assert pushes == [(2, 1), (1, 2)]  # the pass on its own core; at its start, the first frame on every core
     for r, audio in zip(results, expected):
         np.testing.assert_array_equal(r.wait(), audio)
     # a pass of first frames leaves those asked for meanwhile to the next (every core, when
@@ -296,6 +298,43 @@ def test_a_first_frame_asked_for_during_a_decoder_pass_is_decoded_at_its_next_bo
     decoder._queue = firsts[1:]
     decoder._pass(batch)
     assert decoder._queue == firsts[1:]
+
+
+def test_a_decoder_pass_takes_the_generator_s_core_while_it_has_no_work(shared):
+    """A pass over later frames that begins while the generator has no work (the streams'
+    last frames, queued up) runs on every core; once the generator has work again (a stream
+    asks for a frame), the pass gives the core back at its next boundary, and every stream
+    still gets the samples it gets alone."""
+    codec = shared.codec
+    rng = np.random.default_rng(2)
+    codes = [rng.integers(0, codec.quantizer.codebook_size, (2, codec.num_groups)) for _ in range(3)]
+    expected = [codec.push(codec.new_state(), c) for c in codes]
+    cores = SharedCores(2)
+    used: list[int] = []  # the threads the pass set, at its start and at each boundary
+
+    class Asked:
+        def __getattr__(self, name):
+            return getattr(codec, name)
+
+        def push_many(self, states, codes, threads=None, between=None):
+            def boundary(use):
+                def recorded(n):
+                    used.append(n)
+                    use(n)
+
+                between(recorded)
+                cores.generating(True)  # a stream asks for its next frame meanwhile
+
+            return codec.push_many(states, codes, threads, boundary)
+
+    decoder = Decoder(Asked, 1, cores, lambda: len(codes))  # driven here
+    results = [_Result[np.ndarray](in_trio=False) for _ in codes]
+    decoder._queue = [(_Decode(codec.new_state(), c, first=False), r) for c, r in zip(codes, results)]
+    decoder._pass(decoder._take())
+    # its own thread while it looks for first frames to decode, then every core; its own after
+    assert used[:2] == [1, 2] and set(used[2:]) == {1} and len(used) > 2 and cores.lent == 0
+    for r, audio in zip(results, expected):
+        np.testing.assert_array_equal(r.wait(), audio)
 
 
 def test_a_pass_over_streams_that_push_different_frame_counts_gives_each_its_own_audio(shared):

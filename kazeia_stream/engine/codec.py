@@ -43,7 +43,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -299,16 +299,17 @@ class CodecDecoder:
         states: Sequence[DecoderState],
         codes: Sequence[np.ndarray],
         threads: int | None = None,
-        between: Callable[[], None] | None = None,
+        between: Callable[[Callable[[int], None]], None] | None = None,
     ) -> list[np.ndarray]:
         """Decode the next n frames of several utterances (streams) together, the same n for
         each: codes [n, groups] per stream -> audio [n * spf] per stream, each state advanced
         as `push` leaves it, bit for bit.
         The layers up to the first decoder blocks multiply their weights once by the columns of
         all the streams: with one stream's few columns, reading the weights is the cost. The
-        later blocks run stream by stream; `between()` is called after each stream's, and may
-        push other states meanwhile (a stream that must be heard soon need not wait for the
-        whole pass)."""
+        later blocks run stream by stream; `between(use)` is called before the first stream and
+        after each stream's later blocks, and may push other states meanwhile (a stream that
+        must be heard soon need not wait for the whole pass) and set the threads of what
+        follows (`use(n)`)."""
         if len(states) != len(codes):
             raise ValueError(f"{len(states)} states for {len(codes)} code arrays")
         if len({id(state) for state in states}) != len(states):
@@ -326,7 +327,9 @@ class CodecDecoder:
         joint = np.stack(frames, axis=1).reshape(n * count, self.num_groups)  # stream index fastest
         streams = _Streams.stack(states)
         done = [0] * count
-        with self._threads(threads):
+        with self._threads(threads) as use:
+            if between is not None:
+                between(use)
             for i in range(0, n, MAX_FRAMES_PER_PASS):
                 h = self.quantizer(joint[i * count : (i + MAX_FRAMES_PER_PASS) * count])
                 h = self.transformer(
@@ -336,7 +339,7 @@ class CodecDecoder:
                     outs[s][done[s] : done[s] + len(piece)] = piece
                     done[s] += len(piece)
                     if between is not None:
-                        between()
+                        between(use)
         streams.unstack()
         return outs
 
@@ -358,15 +361,23 @@ class CodecDecoder:
                 pass
 
     @contextmanager
-    def _threads(self, threads: int | None) -> Iterator[None]:
+    def _threads(self, threads: int | None) -> Iterator[Callable[[int], None]]:
         """The products of the block run on `threads` threads (default: the decoder's): BLAS's,
-        and our kernel's in a team, of no more threads than cores (its helpers spin)."""
-        n = threads or self.threads
-        with (
-            self._blas.limit(limits=n),
-            f32_product.threads(min(n, available_cores()) if self._kernel else 1),
-        ):
-            yield
+        and our kernel's in a team, of no more threads than cores (its helpers spin); until
+        the block calls what it yields with another count."""
+        with ExitStack() as held:
+            now = 0
+
+            def use(n: int) -> None:
+                nonlocal now
+                if n != now:
+                    held.close()
+                    held.enter_context(self._blas.limit(limits=n))
+                    held.enter_context(f32_product.threads(min(n, available_cores()) if self._kernel else 1))
+                    now = n
+
+            use(threads or self.threads)
+            yield use
 
     def _check(self, codes: np.ndarray) -> np.ndarray:
         """One stream's codes [n, groups] as int64, checked."""
