@@ -223,6 +223,7 @@ static tile_fn *tile512(void) {
 static size_t packed_bytes_amx(int64_t nb) { return (size_t)nb * (128 + 4 * sizeof(float)); }
 
 static void pack_amx(const int8_t *q, const float *d, size_t q_row, size_t d_row, int n, int64_t nb, void *packed) {
+    if (n < AMX_ROWS) return; /* a set of a stack's rows that AVX512's loops take (tile_amx) */
     int8_t *xi = packed;
     float *xd = (float *)(xi + nb * 128);
     memset(packed, 0, packed_bytes_amx(nb));
@@ -383,12 +384,15 @@ size_t kz_q8_product_claims_size(void) { return sizeof(struct claims); }
 
 /* AMX's tiles are configured for an operation of AMX_ROWS rows of x or more on each of its
    threads, and released after it: a thread holding them has Linux save 8 KB more at each of its
-   switches. */
+   switches. Fewer rows (a stream alone) take AVX512's loops, x packed for no tile. */
 AMX void kz_q8_product_amx(struct tensor *dst, int ith, int nth, void *claims) {
-    const int tiles = dst->src[1]->ne[1] >= AMX_ROWS;
-    if (tiles) configure_amx();
+    if (dst->src[1]->ne[1] < AMX_ROWS) {
+        product(dst, ith, nth, claims, 32, quantize512, &layout512, tile512_l2);
+        return;
+    }
+    configure_amx();
     product(dst, ith, nth, claims, 32, quantize512, &layout_amx, tile_amx);
-    if (tiles) _tile_release();
+    _tile_release();
 }
 
 void kz_q8_product_avx512(struct tensor *dst, int ith, int nth, void *claims) {
