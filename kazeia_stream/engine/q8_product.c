@@ -4,7 +4,7 @@
    the rows of x quantized to Q8_0 as ggml does. Variants of the same loops: int8 products on
    AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it) and
    the int32 sums of four registers added down to eight blocks' exact sums, so that one
-   conversion and one fmadd scale eight blocks, a lane each; where the CPU has AMX's int8 tiles,
+   conversion and one fmadd scale eight blocks, a lane each (two rows of x a register); where the CPU has AMX's int8 tiles,
    three or four rows of x take them instead, to the same numbers bit for bit; or on AVX2 (u8 x
    s8 pairs, then pairs of int16: |x| times w with x's sign), two blocks per 256-bit register,
    interleaved eight bytes at a time so that one conversion and one fmadd scale both. A row of
@@ -131,23 +131,33 @@ AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
     }
 }
 
-/* The exact int32 sums of a group of eight weight blocks (wq[i]: blocks 2 i and 2 i + 1) with
-   one row of x, each dot product starting from start[i] (-128 times the sums of w's four int8,
-   as x holds q + 128, unsigned for vpdpbusd), in the lanes of `lane_of`: the four registers'
-   lanes added pairwise (each 128-bit lane then holds a half block of each register), then the
-   halves of each block, so that a conversion, a product of the scales and an fmadd serve eight
-   blocks (on Zen 4 those float operations were the kernel's limit: one product fewer per group
-   of four took a fifth off four rows' time). */
-AVX512 INLINE __m256i blocks512(const __m512i wq[4], const __m512i start[4], const int8_t *q) {
+/* The exact int32 sums of a group of eight weight blocks' halves (wq[i]: blocks 2 i and 2 i + 1)
+   with one row of x, each dot product starting from start[i] (-128 times the sums of w's four
+   int8, as x holds q + 128, unsigned for vpdpbusd): the four registers' lanes added pairwise
+   twice, so that 128-bit lane h holds the first (h = 0, 2) or second (h = 1, 3) halves of blocks
+   0, 2, 4, 6 (h < 2) or 1, 3, 5, 7 (h >= 2). */
+AVX512 INLINE __m512i halves512(const __m512i wq[4], const __m512i start[4], const int8_t *q) {
     __m512i dot[4];
     for (int i = 0; i < 4; i++)
         dot[i] = _mm512_dpbusd_epi32(start[i], _mm512_loadu_si512((const void *)(q + 64 * i)), wq[i]);
     __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[0], dot[1]), _mm512_unpackhi_epi32(dot[0], dot[1]));
     __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[2], dot[3]), _mm512_unpackhi_epi32(dot[2], dot[3]));
-    __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-    /* 128-bit lanes of u: the first and second halves of blocks 0, 2, 4, 6, then of 1, 3, 5, 7 */
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+/* Eight blocks' exact sums of one row of x (halves512's halves added), in the lanes of
+   `lane_of`, so that a conversion, a product of the scales and an fmadd serve eight blocks (on
+   Zen 4 those float operations were the kernel's limit: one product fewer per group of four
+   took a fifth off four rows' time). */
+AVX512 INLINE __m256i blocks512(__m512i u) {
     const __m512i first = _mm512_shuffle_i32x4(u, u, 0 | 2 << 2), second = _mm512_shuffle_i32x4(u, u, 1 | 3 << 2);
     return _mm256_add_epi32(_mm512_castsi512_si256(first), _mm512_castsi512_si256(second));
+}
+
+/* The same for two rows of x at once: the first's eight lanes, then the second's. */
+AVX512 INLINE __m512i pair512(__m512i u0, __m512i u1) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0 | 2 << 2 | 0 << 4 | 2 << 6),
+                            _mm512_shuffle_i32x4(u0, u1, 1 | 3 << 2 | 1 << 4 | 3 << 6));
 }
 
 /* -128 times the sums of each four int8 of w (see blocks512). */
@@ -163,14 +173,18 @@ static inline uint64_t every_other(const block_q8_0 *first) {
            (uint64_t)first[6].d << 48;
 }
 
+/* Two rows of x share a register from the eight lanes on (`pair512`), each half as one row
+   alone computes it in its own (the same operations lane by lane, and `sum256` on each half). */
 AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t d_row, const int n,
                            const int8_t *q, const float *d8, float *dst, size_t dst_row, int64_t r0,
                            int64_t r1, const int into_l2) {
     const int64_t groups = nb / 8;
+    const int pairs = n / 2, odd = n & 1, last = n - 1;
     for (int64_t row = r0; row < r1; row++) {
         const block_q8_0 *wr = w + row * nb;
-        __m256 acc[ROWS];
-        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        __m512 acc2[ROWS / 2];
+        __m256 acc1 = _mm256_setzero_ps();
+        for (int p = 0; p < pairs; p++) acc2[p] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const block_q8_0 *wb = wr + 8 * g;
             for (int l = 0; l < 5; l++) {
@@ -185,25 +199,46 @@ AVX512 INLINE void rows512(const block_q8_0 *w, int64_t nb, size_t q_row, size_t
             }
             /* the scales as the lanes of blocks512's sums: 0, 2, 4, 6, then 1, 3, 5, 7 */
             const __m256 dw = _mm256_cvtph_ps(_mm_set_epi64x((long long)every_other(wb + 1), (long long)every_other(wb)));
-            for (int r = 0; r < n; r++) {
-                __m256i sums = blocks512(wq, start, q + r * q_row + g * 256);
-                __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(d8 + r * d_row + g * 8));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            for (int p = 0; p < pairs; p++) {
+                const int8_t *x0 = q + 2 * p * q_row + g * 256;
+                const __m512i sums = pair512(halves512(wq, start, x0), halves512(wq, start, x0 + q_row));
+                const float *dx = d8 + 2 * p * d_row + g * 8;
+                const __m512 scale = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1),
+                                                   _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(dx)),
+                                                                      _mm256_loadu_ps(dx + d_row), 1));
+                acc2[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc2[p]);
+            }
+            if (odd) {
+                const __m256i sums = blocks512(halves512(wq, start, q + last * q_row + g * 256));
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(d8 + last * d_row + g * 8));
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc1);
             }
         }
         for (int64_t b = groups * 8; b < nb; b++) { /* the blocks beyond the last group: a lane each */
             __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);
             __m256i start = _mm512_castsi512_si256(start512(_mm512_castsi256_si512(wq)));
             const float dw = _cvtsh_ss(wr[b].d);
-            const __mmask8 lane = (__mmask8)(1u << lane_of(b));
+            float sum[ROWS], scale[ROWS];
             for (int r = 0; r < n; r++) {
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * q_row + b * 32));
                 __m256i dot = _mm256_dpbusd_epi32(start, xq, wq);
-                const float sum = (float)_mm512_reduce_add_epi32(_mm512_zextsi256_si512(dot));
-                acc[r] = _mm256_mask3_fmadd_ps(_mm256_set1_ps(sum), _mm256_set1_ps(dw * d8[r * d_row + b]), acc[r], lane);
+                sum[r] = (float)_mm512_reduce_add_epi32(_mm512_zextsi256_si512(dot));
+                scale[r] = dw * d8[r * d_row + b];
             }
+            const int lane = lane_of(b);
+            for (int p = 0; p < pairs; p++) {
+                const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sum[2 * p]), _mm256_set1_ps(sum[2 * p + 1]), 1);
+                const __m512 c = _mm512_insertf32x8(_mm512_set1_ps(scale[2 * p]), _mm256_set1_ps(scale[2 * p + 1]), 1);
+                acc2[p] = _mm512_mask3_fmadd_ps(s, c, acc2[p], (__mmask16)(0x101u << lane));
+            }
+            if (odd)
+                acc1 = _mm256_mask3_fmadd_ps(_mm256_set1_ps(sum[last]), _mm256_set1_ps(scale[last]), acc1, (__mmask8)(1u << lane));
         }
-        for (int r = 0; r < n; r++) dst[r * dst_row + row] = sum256(acc[r]);
+        for (int p = 0; p < pairs; p++) {
+            dst[2 * p * dst_row + row] = sum256(_mm512_castps512_ps256(acc2[p]));
+            dst[(2 * p + 1) * dst_row + row] = sum256(_mm512_extractf32x8_ps(acc2[p], 1));
+        }
+        if (odd) dst[last * dst_row + row] = sum256(acc1);
     }
 }
 
