@@ -325,30 +325,23 @@ AMX INLINE void tiles16(const block_q8_0 *w, int64_t nb, int n, const void *pack
     float lanes[8][64] __attribute__((aligned(64)));
     int32_t c[2][64] __attribute__((aligned(64)));
     memset(lanes, 0, sizeof lanes);
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb; /* not beside an odd last block */
         for (size_t l = 0; l < 2 * per_block; l += 64) _mm_prefetch(next + b * per_block + l, _MM_HINT_T1);
         const char *wb = first + b * sizeof(block_q8_0) + 2;
         _tile_loadd(0, wb, row_bytes);
         _tile_loadd(2, xi + b * 128, 16);
         _tile_zero(4);
         _tile_dpbssd(4, 0, 2);
-        _tile_loadd(1, wb + sizeof(block_q8_0), row_bytes);
-        _tile_loadd(3, xi + b * 128 + 128, 16);
-        _tile_zero(5);
-        _tile_dpbssd(5, 1, 3);
+        if (two) {
+            _tile_loadd(1, wb + sizeof(block_q8_0), row_bytes);
+            _tile_loadd(3, xi + b * 128 + 128, 16);
+            _tile_zero(5);
+            _tile_dpbssd(5, 1, 3);
+        }
         _tile_stored(4, c[0], 16);
-        _tile_stored(5, c[1], 16);
-        add_block(lanes, c[0], first, at, b, xd);
-        add_block(lanes, c[1], first, at, b + 1, xd);
-    }
-    if (b < nb) { /* an odd last block */
-        _tile_loadd(0, first + b * sizeof(block_q8_0) + 2, row_bytes);
-        _tile_loadd(2, xi + b * 128, 16);
-        _tile_zero(4);
-        _tile_dpbssd(4, 0, 2);
-        _tile_stored(4, c[0], 16);
-        add_block(lanes, c[0], first, at, b, xd);
+        if (two) _tile_stored(5, c[1], 16);
+        for (int e = 0; e <= two; e++) add_block(lanes, c[e], first, at, b + e, xd);
     }
     float out[64] __attribute__((aligned(64)));
     for (int j = 0; j < 4; j++) {
