@@ -31,6 +31,7 @@ from .channels import UtteranceMetrics
 from .engine import product_rate
 from .engine.frames import GenerationOptions
 from .engine.qwen3 import matrix_macs
+from .engine.threads import available_cores
 from .model import gguf_layout as L
 from .model.model import VoiceArg
 from .runtime import Runtime
@@ -141,7 +142,8 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     `median` takes the runs' ratios): the talker and the code
     predictor read their weights at the memory bandwidth of their threads, the decoder's matrix
     products run alone on its kernels and shapes (one frame per push, as measured); the
-    pipeline's floor is `pipeline_floor_ms`. `x_floor` is each figure over its floor. The
+    pipeline's floor is `pipeline_floor_ms` (the stages one after the other where the decoder's
+    thread leaves no core beside it). `x_floor` is each figure over its floor. The
     decoder's floor has each product's weights in the caches; the same products one after the
     other as a decode runs them (`decoder_products_in_order_ms`) read their weights from
     memory, as a decode does (a frame's are several times the caches).
@@ -157,6 +159,8 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     with runtime.cores.lend(runtime.threads.decoder):
         beside = runtime.cores.threads(threads)  # the generator's threads beside the decoder
     bandwidth = read_gb_s({1, beside, threads})  # GB/s by thread count
+    # where the decoder's thread leaves no core (one core), the generator waits for it
+    beside_gb_s = bandwidth[beside] if available_cores() > runtime.threads.decoder else 0.0
     floor_ms = {
         stage: cost[stage]["bytes"] / bandwidth[threads] / 1e6 for stage in ("talker", "code_predictor")
     }
@@ -164,7 +168,7 @@ def floors(runtime: Runtime, measured: dict[str, Any]) -> dict[str, Any]:
     in_order_ms = 1e3 * runtime.codec.products_time(1, in_order=True)
     generator_bytes = cost["talker"]["bytes"] + cost["code_predictor"]["bytes"]
     frame_ms = 1e3 * runtime.codec.samples_per_frame / runtime.model.sample_rate
-    floor = pipeline_floor_ms(generator_bytes, floor_ms["decoder"], bandwidth[beside], bandwidth[threads])
+    floor = pipeline_floor_ms(generator_bytes, floor_ms["decoder"], beside_gb_s, bandwidth[threads])
     floor_rtf = floor / frame_ms
     ms = measured["ms_per_frame"]
     rates = product_rate.rates({qtype for stage in macs.values() for qtype in stage}, threads)

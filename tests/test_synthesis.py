@@ -175,6 +175,25 @@ def test_the_pipeline_floor_lets_the_generator_take_the_cores_the_decoder_leaves
         assert floor <= 50.0 + generator_bytes / 3e6  # one after the other would take this
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_on_one_core_the_pipeline_floor_is_the_stages_one_after_the_other(runtime, monkeypatch, cores):
+    """Where the decoder's thread takes the only core, the generator reads nothing beside it."""
+    from kazeia_stream import bench
+
+    monkeypatch.setattr(bench, "available_cores", lambda: cores)
+    ms = {"talker": 1.0, "code_predictor": 1.0, "decoder": 1.0}
+    result = bench.floors(runtime, {"ms_per_frame": ms, "rtf": 1.0})
+    floor, cost = result["floor_ms_per_frame"], result["cost_per_frame"]
+    generator_bytes = cost["talker"]["bytes"] + cost["code_predictor"]["bytes"]
+    all_threads = result["read_gb_s"][str(runtime.threads.talker)]
+    after = floor["decoder"] + generator_bytes / all_threads / 1e6  # ms
+    frame_ms = 1e3 * runtime.codec.samples_per_frame / runtime.model.sample_rate
+    if cores == 1:
+        assert result["floor_rtf"] * frame_ms == pytest.approx(after, rel=0.02)
+    else:
+        assert result["floor_rtf"] * frame_ms < 0.98 * after
+
+
 def test_costs_count_the_bytes_the_engines_read(tiny_runtime):
     runtime = tiny_runtime("custom_voice")
     cost = costs(runtime)
