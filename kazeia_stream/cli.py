@@ -160,6 +160,14 @@ def _runtime(args: argparse.Namespace, model: Model, max_streams: int = 1) -> Ru
     return Runtime(model, threads, max_streams)
 
 
+def _server_runtime(args: argparse.Namespace, model: Model) -> Runtime:
+    """A server's engines: up to --max-streams utterances at once, their memory resident before
+    it listens (`Runtime.make_streams_resident`)."""
+    runtime = _runtime(args, model, args.max_streams)
+    runtime.make_streams_resident()
+    return runtime
+
+
 def cmd_speak(args: argparse.Namespace) -> int:
     if args.pipe and (args.text is not None or args.output):
         raise UsageError("--pipe reads the text from stdin and writes PCM to stdout: no TEXT or -o")
@@ -485,8 +493,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = _model(args)
     voices = ServerVoices(model, VoiceLibrary(args.voices))
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    runtime = _runtime(args, model, args.max_streams)
-    return serve(runtime, voices, args.host, args.port, api_key, args.max_queue)
+    return serve(_server_runtime(args, model), voices, args.host, args.port, api_key, args.max_queue)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -520,7 +527,7 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
 
     model = _model(args)
     voices = ServerVoices(model, VoiceLibrary(args.voices))
-    return serve(_runtime(args, model, args.max_streams), voices, args.uri)
+    return serve(_server_runtime(args, model), voices, args.uri)
 
 
 def _wyoming_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -198,6 +198,16 @@ class Runtime:
 
     # -- voices --------------------------------------------------------------------------------
 
+    def make_streams_resident(self) -> None:
+        """Make resident now the memory each of the `max_streams` streams' first utterance would
+        fault in: its talker slot's first KV cells (112 MB at 0.6B, held from now on rather than
+        from the first time that many streams run). The servers do, before they listen: on a
+        virtual machine whose host backs fresh memory slowly, four requests at once got their
+        first audio after 1.36-1.52 s without, 0.37-0.69 s with (0.93 s to make three slots
+        resident; the Xeon of docs/measurements.md, "2026-12-07, early morning")."""
+        for slot in range(self.max_streams):
+            self.talker.populate(slot)
+
     @cached_property
     def encoders(self) -> VoiceEncoders:
         """The model's speaker and codec encoders (Base models), built on first use."""

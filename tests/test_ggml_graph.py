@@ -177,10 +177,11 @@ def test_weights_cached_partly_in_small_pieces_are_copied_then_kept_in_place(tmp
 
 
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
-def test_memory_is_resident_where_written_and_given_back_in_whole_pieces(weights_way):
+def test_memory_is_resident_where_written_or_populated_and_given_back_in_whole_pieces(weights_way):
     """Pieces of `page` bytes: huge pages where the kernel gives them (the mapping asks), else
     4 KiB, and 4 KiB where a tensor is smaller than a huge page. A release gives back the
-    pieces wholly within its range, and keeps the rest."""
+    pieces wholly within its range, and keeps the rest; `populate` makes every piece its range
+    touches resident, their contents unchanged."""
     small = ggml_graph.Memory(
         {"a": (gguf.GGMLQuantizationType.F32, (4 << 20,)), "b": (gguf.GGMLQuantizationType.F32, (8,))}
     )
@@ -200,6 +201,9 @@ def test_memory_is_resident_where_written_and_given_back_in_whole_pieces(weights
         pieces = in_memory(data.ctypes.data, data.nbytes).reshape(-1, page // mmap.PAGESIZE).all(axis=1)
         assert list(pieces[:4]) == [True, False, False, True] and pieces[3:].all()
         assert data[page - 1] == 2 and data[page] == 0 and data[3 * page] == 2
+        memory.populate("a", page + 1, page + 2)  # a byte of a piece: the whole piece, as it is
+        pieces = in_memory(data.ctypes.data, data.nbytes).reshape(-1, page // mmap.PAGESIZE).all(axis=1)
+        assert list(pieces[:4]) == [True, True, False, True] and not data[page : 2 * page].any()
     finally:
         memory.close()
 

@@ -79,6 +79,47 @@ def test_a_finished_utterance_gives_back_all_but_the_rows_its_slot_keeps(model, 
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
 
 
+def slot_resident(talker: Talker, slot: int) -> int:
+    """Resident bytes of slot `slot`'s K and V in every layer."""
+    memory, total = talker.lm.cache, 0
+    for bid in range(talker.lm.config.num_layers):
+        for name, axis in ((f"{bid}.k", 2), (f"{bid}.v", 3)):
+            tensor = memory[name]
+            stride = ggml_graph.strides(tensor)[axis]
+            at = ggml_graph.ggml.ggml_get_data(tensor) + slot * stride
+            total += int(in_memory(at, stride).sum()) * mmap.PAGESIZE
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
+def test_a_slot_made_resident_ahead_holds_the_first_page_of_each_k_and_v(model, small_pages):
+    """What a first utterance in the slot would fault in, made resident ahead (`populate`):
+    in that slot only, and its numbers as they would be."""
+    cfg = model.config.talker
+    talker = Talker(model.talker_file, cfg, 1, slots=2)
+    assert cache_resident(talker) == 0
+    talker.populate(1)
+    assert slot_resident(talker, 1) == cache_resident(talker) == 2 * cfg.num_layers * mmap.PAGESIZE
+    state = TalkerState(seq=1)
+    hidden, logits = talker.prefill(state, rows(model, 5))
+    expected = Talker(model.talker_file, cfg, 1, slots=2).prefill(TalkerState(seq=1), rows(model, 5))
+    assert np.array_equal(hidden, expected[0]) and np.array_equal(logits, expected[1])
+    assert slot_resident(talker, 0) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="Linux")
+def test_a_server_s_runtime_holds_every_stream_s_first_cells_before_it_listens(model, small_pages):
+    from argparse import Namespace
+
+    from kazeia_stream import cli
+
+    runtime = cli._server_runtime(Namespace(threads=None, max_streams=3), model)
+    cfg = model.config.talker
+    assert runtime.max_streams == 3
+    for slot in range(3):
+        assert slot_resident(runtime.talker, slot) >= 2 * cfg.num_layers * mmap.PAGESIZE
+
+
 def test_v_in_blocks_gives_the_results_of_one_block_beyond_rounding(model, monkeypatch):
     """Past its first V block a step sums one product per block: the hidden states and logits
     of V in one block, to the sum's rounding."""

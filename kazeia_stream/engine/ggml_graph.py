@@ -12,6 +12,7 @@ inputs written into and its outputs read from numpy views of tensor memory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import re
@@ -31,6 +32,7 @@ Tensor = int  # the address of a struct ggml_tensor
 GGML_ROPE_TYPE_NEOX = 2
 _ALIGN = 64  # where each tensor of our own memory starts (ggml asks for 32 bytes)
 MADV_POPULATE_READ = 22  # Linux 5.14
+MADV_POPULATE_WRITE = 23  # Linux 5.14
 # weights stay in place in a file's mapping where at least this share of them is on huge pages
 IN_PLACE_HUGE_SHARE = 0.9
 _NUMPY = {QType.F32: np.float32, QType.F16: np.float16, QType.I32: np.int32, QType.I64: np.int64}
@@ -167,6 +169,17 @@ class Memory(_Tensors):
         for (name, (qtype, shape)), size in zip(specs.items(), sizes):
             self.place(name, qtype, shape, native.data(self._bytes) + offset)
             offset += size
+
+    def populate(self, name: str, start: int, end: int) -> None:
+        """Make resident now the pieces of `page` bytes that bytes [start, end) of tensor `name`
+        touch, their contents as they are (madvise MADV_POPULATE_WRITE, Linux 5.14): the faults
+        a first write there would take, taken ahead. Nothing where the kernel does not take it."""
+        if self._mapping is None:
+            return
+        at, page = ggml.ggml_get_data(self[name]) - native.data(self._bytes), self.page
+        first, last = (at + start) // page * page, -(-(at + end) // page) * page
+        with contextlib.suppress(OSError):  # an older kernel: the first write faults them in
+            self._mapping.madvise(MADV_POPULATE_WRITE, self._start + first, last - first)
 
     def release(self, name: str, start: int, end: int) -> None:
         """Give the kernel back the pieces of `page` bytes that lie wholly within bytes [start,

@@ -369,6 +369,15 @@ class Qwen3LM:
             for bid in range(self.config.num_layers)
         ]
 
+    def populate(self, slot: int) -> None:
+        """Make resident now the first page of slot `slot`'s K and V in every layer: what its
+        first utterance's first write there would fault in (`Memory.populate`)."""
+        for bid in range(self.config.num_layers):
+            k, v = f"{bid}.k", f"{bid}.v"
+            knb, vnb = strides(self.cache[k]), strides(self.cache[v])
+            self.cache.populate(k, slot * knb[2], slot * knb[2] + 1)
+            self.cache.populate(v, slot * vnb[3], slot * vnb[3] + 1)
+
     def release(self, slot: int, keep: int) -> None:
         """Give back the memory of slot `slot`'s cells from position `keep` on (its utterance
         has ended; the rows before `keep` stay cached): an idle slot holds only what it keeps.

@@ -160,6 +160,10 @@ class Talker:
         state.pos += 1
         return out
 
+    def populate(self, slot: int) -> None:
+        """Make resident now what a first utterance in `slot` would fault in (`Qwen3LM.populate`)."""
+        self.lm.populate(slot)
+
     def release(self, state: TalkerState) -> None:
         """The utterance has ended: its slot gives back the memory of every cell but the fixed
         rows it keeps (`Qwen3LM.release`)."""
