@@ -264,9 +264,7 @@ class SharedCores:
             nonlocal held
             wanted = 0 if self._generating else max(0, self.free() - own)
             if wanted != held:
-                with self._changed:
-                    self.lent += wanted - held
-                    self.changed()
+                self._move(wanted - held)
                 held = wanted
             return own + held
 
@@ -274,10 +272,7 @@ class SharedCores:
             yield now
         finally:
             if held:
-                with self._changed:
-                    self.lent -= held
-                    self.changed()
-                    self._changed.notify_all()
+                self._move(-held)
 
     def free(self) -> int:
         """The cores a pass alone may take: those that others do not hold."""
@@ -294,15 +289,17 @@ class SharedCores:
 
     @contextmanager
     def _hold(self, n: int, alone: bool) -> Iterator[int]:
-        with self._changed:
-            self.lent += n
-            self._alone += alone
-            self.changed()
+        self._move(n, alone)
         try:
             yield n
         finally:
-            with self._changed:
-                self.lent -= n
-                self._alone -= alone
-                self.changed()
-                self._changed.notify_all()
+            self._move(-n, -alone)
+
+    def _move(self, lent: int, alone: int = 0) -> None:
+        """The cores lent (and the passes that run alone) change by these: the graphs' calls,
+        and the passes waiting for them, see it."""
+        with self._changed:
+            self.lent += lent
+            self._alone += alone
+            self.changed()
+            self._changed.notify_all()
