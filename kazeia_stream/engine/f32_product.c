@@ -313,10 +313,11 @@ AVX2 INLINE void bcast256(const float *w, int64_t w_row, int64_t k, const float 
 #define MASK16(left) ((__mmask16)((1u << (left)) - 1))
 #define COUNT8(left) (left)
 
-/* AVX-512: a tile's rows (its CPUs' L2 of 1-2 MB holds the decoder's widest inputs). AVX2: the
-   rows of W in ROWS_BLOCK256 bytes (a quarter of a Zen's L2 of 512 KB): the 96 x 96 weight
-   times 1920 columns of the decoder's last block ran 80 GFLOP/s against 62, 576 x 192 times
-   640 81 against 63 (Zen 3, one core; its FMAs' peak 115). */
+/* AVX-512: a tile's rows (its CPUs' L2 of 1-2 MB holds the decoder's widest inputs; not
+   measured in blocks). AVX2: the rows of W in ROWS_BLOCK256 bytes (a quarter of a Zen's L2 of
+   512 KB): the 96 x 96 weight times 1920 columns of the decoder's last block ran 58-71 GFLOP/s
+   against 53-56, 192 x 192 times 640 80-87 against 62-66 (Zen 3, one core, its FMAs' peak 115;
+   `f32_product.multiply`, best of 200, three alternated rounds). */
 #define ROWS_BLOCK256 (128 * 1024)
 #define ONE_TILE(k, rows) (rows)
 #define IN_BYTES256(k, rows) (ROWS_BLOCK256 / (4 * (k)) < (rows) ? (rows) : ROWS_BLOCK256 / (4 * (k)) / (rows) * (rows))
