@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -369,25 +369,28 @@ class Qwen3LM:
             for bid in range(self.config.num_layers)
         ]
 
+    def _slot_cells(self, slot: int, keep: int = 0) -> Iterator[tuple[str, int, int]]:
+        """(tensor, start, end): the bytes of slot `slot`'s K and V in every layer from position
+        `keep` on (V's from the block that holds it)."""
+        for bid in range(self.config.num_layers):
+            k, v = f"{bid}.k", f"{bid}.v"
+            knb, vnb = strides(self.cache[k]), strides(self.cache[v])  # [.., n_ctx, slot], [.., block, slot]
+            yield k, slot * knb[2] + keep * knb[1], (slot + 1) * knb[2]
+            yield v, slot * vnb[3] + -(-keep // self.v_block) * vnb[2], (slot + 1) * vnb[3]
+
     def populate(self, slot: int) -> None:
         """Make resident now the first page of slot `slot`'s K and V in every layer: what its
         first utterance's first write there would fault in (`Memory.populate`)."""
-        for bid in range(self.config.num_layers):
-            k, v = f"{bid}.k", f"{bid}.v"
-            knb, vnb = strides(self.cache[k]), strides(self.cache[v])
-            self.cache.populate(k, slot * knb[2], slot * knb[2] + 1)
-            self.cache.populate(v, slot * vnb[3], slot * vnb[3] + 1)
+        for name, start, _ in self._slot_cells(slot):
+            self.cache.populate(name, start, start + 1)
 
     def release(self, slot: int, keep: int) -> None:
         """Give back the memory of slot `slot`'s cells from position `keep` on (its utterance
         has ended; the rows before `keep` stay cached): an idle slot holds only what it keeps.
         Those cells read as zeros until written again; no step reads a cell its own utterance
         has not written (the masks)."""
-        for bid in range(self.config.num_layers):
-            k, v = f"{bid}.k", f"{bid}.v"
-            knb, vnb = strides(self.cache[k]), strides(self.cache[v])  # [.., n_ctx, slot], [.., block, slot]
-            self.cache.release(k, slot * knb[2] + keep * knb[1], (slot + 1) * knb[2])
-            self.cache.release(v, slot * vnb[3] + -(-keep // self.v_block) * vnb[2], (slot + 1) * vnb[3])
+        for name, start, end in self._slot_cells(slot, keep):
+            self.cache.release(name, start, end)
 
     def _two_ways(self, rows: int) -> bool:
         """Whether a call of `rows` rows has two graphs that differ, which `_together` times."""
