@@ -319,11 +319,17 @@ AVX2 INLINE void bcast256(const float *w, int64_t w_row, int64_t k, const float 
    against 53-56, 192 x 192 times 640 80-87 against 62-66 (Zen 3, one core, its FMAs' peak 115;
    `f32_product.multiply`, best of 200, three alternated rounds). */
 #define ROWS_BLOCK256 (128 * 1024)
-#define ONE_TILE(k, rows) (rows)
-#define IN_BYTES256(k, rows) (ROWS_BLOCK256 / (4 * (k)) < (rows) ? (rows) : ROWS_BLOCK256 / (4 * (k)) / (rows) * (rows))
+static inline int64_t one_tile(int64_t k, int rows) {
+    (void)k;
+    return rows;
+}
+static inline int64_t in_bytes256(int64_t k, int rows) {
+    const int64_t fit = ROWS_BLOCK256 / (4 * k) / rows * rows;
+    return fit > rows ? fit : rows;
+}
 
-BCAST_BY(AVX512, kz_f32_product_rows_avx512, bcast512, BROWS512, BVECS512, 16, MASK16, ONE_TILE)
-BCAST_BY(AVX2, kz_f32_product_rows_avx2, bcast256, BROWS256, BVECS256, 8, COUNT8, IN_BYTES256)
+BCAST_BY(AVX512, kz_f32_product_rows_avx512, bcast512, BROWS512, BVECS512, 16, MASK16, one_tile)
+BCAST_BY(AVX2, kz_f32_product_rows_avx2, bcast256, BROWS256, BVECS256, 8, COUNT8, in_bytes256)
 
 /* A product shared by rows among the threads of a team: its caller's and helpers that wait in
    `kz_f32_product_serve` while the team is held (the decoder's passes that have every core).

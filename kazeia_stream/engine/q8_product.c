@@ -4,14 +4,15 @@
    the rows of x quantized to Q8_0 as ggml does. Variants of the same loops: int8 products on
    AVX512-VNNI, two blocks per 512-bit register (x offset to unsigned, as vpdpbusd takes it) and
    the int32 sums of four registers added down to eight blocks' exact sums, so that one
-   conversion and one fmadd scale eight blocks, a lane each (two rows of x a register); where the CPU has AMX's int8 tiles,
-   three or four rows of x take them instead, to the same numbers bit for bit; or on AVX2 (u8 x
-   s8 pairs, then pairs of int16: |x| times w with x's sign), two blocks per 256-bit register,
-   interleaved eight bytes at a time so that one conversion and one fmadd scale both. A row of
-   dst is summed in one order whatever n is, so a sequence's numbers do not depend on the rows
-   computed beside it. ggml's threads take chunks of 64 weight rows, each from a contiguous
-   share of its own first (`claim`, ggml_op.h), and read each from memory once, in tiles of 16
-   rows that stay in the cache while every row of x passes (four at a time). */
+   conversion and one fmadd scale eight blocks, a lane each (two rows of x a register); where
+   the CPU has AMX's int8 tiles, three or four rows of x take them instead, to the same numbers
+   bit for bit; or on AVX2 (u8 x s8 pairs, then pairs of int16: |x| times w with x's sign), two
+   blocks per 256-bit register, interleaved eight bytes at a time so that one conversion and
+   one fmadd scale both. A row of dst is summed in one order whatever n is, so a sequence's
+   numbers do not depend on the rows computed beside it. ggml's threads take chunks of 64
+   weight rows, each from a contiguous share of its own first (`claim`, ggml_op.h), and read
+   each from memory once, in tiles of 16 rows that stay in the cache while every row of x
+   passes (four at a time). */
 
 #include "ggml_op.h"
 
