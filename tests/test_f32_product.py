@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=[(37, 100), (130, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.fixture(scope="module", params=[(37, 100), (130, 768), (5, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
 def weight(request) -> np.ndarray:
     """A float32 weight [m, k]: 37 x 100 has rows that fill no panel of 16 and no tile of 6;
-    130 x 768 fills them but its last rows."""
+    130 x 768 fills them but its last rows; 5 x 96 has fewer rows than a tile (the decoder's
+    last convolution has one)."""
     m, k = request.param
     return np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
 
@@ -41,9 +42,10 @@ def _direct(array: np.ndarray, variant: str, panels: bool) -> Matrix:
 def test_it_gives_the_product_to_float_rounding_and_a_column_its_numbers_alone(weight, variant):
     """W packed in panels, for columns of contiguous numbers (tiles of up to 4 panels by 6
     columns, the rows padded to whole panels), or in place, for rows of contiguous numbers
-    (tiles of up to 6 rows by 4 vectors of columns, the last masked where it is partial): bit
-    for bit alone, among 2 to 70 columns, at any place among them; the same numbers either
-    way."""
+    (tiles of up to 6 rows by 4 vectors of columns on AVX-512, by 16 columns copied together
+    on AVX2, fewer rows than 6 by 3 vectors; the last columns masked where they are partial):
+    bit for bit alone, among 2 to 70 columns, at any place among them; the same numbers
+    either way."""
     x = np.random.default_rng(4).standard_normal((weight.shape[1], 70), dtype=np.float32)
     exact = weight.astype(np.float64) @ x.astype(np.float64)
     results = []
