@@ -335,9 +335,10 @@ BCAST_BY(AVX2 static, few_rows256, bcast256, BROWS256, BVECS256, 8, COUNT8, in_b
 /* AVX2: tiles of up to PROWS256 rows of W by 16 columns (two vectors; 12 accumulators, as BLIS'
    Haswell kernel has them), each tile's columns first copied into a contiguous [k][16], zeros
    past the last column: its loads then run through the L1 in order, not k rows of x apart.
-   Through `f32_product.multiply`, best of many (Zen 3, one core): 384 x 384 by 160 columns
-   70-84 GFLOP/s against 53-59, 1536 x 384 by 160 65-78 against 49-54, 3840 x 768 by 128
-   54-68 against 40-41. */
+   Zen 3, one core, alternated with tiles of 4 rows by 24 columns in place: a decode's products
+   of this kind 15.3-17.6 ms a frame against 17.5-19.8; through `f32_product.multiply`, best of
+   many, 3840 x 768 by 128 columns 54-68 GFLOP/s against 39-48, 1536 x 384 by 160 58-84
+   against 49-64 (the decoder's smaller ones within the host's noise). */
 #define PROWS256 6
 
 AVX2 INLINE void packed256(const float *w, int64_t w_row, int64_t k, const float *xp, float *dst,
