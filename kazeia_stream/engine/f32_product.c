@@ -354,15 +354,15 @@ AVX2 INLINE void packed256(const float *w, int64_t w_row, int64_t k, const float
         }
     }
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); /* `left` columns stored */
-    const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
-    const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8), lanes);
+    const __m256i first8 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
+    const __m256i last8 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8), lanes);
     for (int a = 0; a < rr; a++) {
         if (whole) {
             _mm256_storeu_ps(dst + a * dst_row, acc[a][0]);
             _mm256_storeu_ps(dst + a * dst_row + 8, acc[a][1]);
         } else {
-            _mm256_maskstore_ps(dst + a * dst_row, lo, acc[a][0]);
-            _mm256_maskstore_ps(dst + a * dst_row + 8, hi, acc[a][1]);
+            _mm256_maskstore_ps(dst + a * dst_row, first8, acc[a][0]);
+            _mm256_maskstore_ps(dst + a * dst_row + 8, last8, acc[a][1]);
         }
     }
 }
