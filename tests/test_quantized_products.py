@@ -93,6 +93,42 @@ def test_a_norm_and_a_residual_in_the_operation_give_ggml_s_operations_numbers(w
         allocator.close()
 
 
+@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_operation_of_several_matrices_gives_each_one_s_numbers(weight, variant, threads):
+    """A layer's q, k and v (or its gate and up) in one operation, x normed and quantized once:
+    each matrix's block holds, bit for bit, the numbers of its own product; the blocks' rows
+    (the second's 72 from m on) fall across the threads' chunks of 64."""
+    kernel, w, (m, k) = weight
+    if variant not in kernel.variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    rng = np.random.default_rng(7)
+    others = [
+        ArrayTensor(
+            quantize(rng.standard_normal((rows, k), dtype=np.float32), kernel.qtype), kernel.qtype, (rows, k)
+        )
+        for rows in (72, 40)
+    ]
+    ws, rows = [w, *(o.tensor for o in others)], (m, 72, 40)
+    allocator, g = Allocator(), Graph(32)
+    try:
+        columns, scale = g.input(QType.F32, (5, k)), g.input(QType.F32, (k,))
+        fused = [g.output(t) for t in kernel.products(g, ws, columns, (scale, 1e-6), variant)]
+        alone = [g.output(kernel.product(g, wi, columns, variant, norm=(scale, 1e-6))) for wi in ws]
+        g.allocate(allocator)
+        view_of(columns, QType.F32, (5, k))[...] = rng.standard_normal((5, k), dtype=np.float32)
+        view_of(scale, QType.F32, (k,))[...] = rng.standard_normal(k, dtype=np.float32)
+        g.compute(threads)
+        for a, b, out in zip(fused, alone, rows):
+            assert np.array_equal(view_of(a, QType.F32, (5, out)), view_of(b, QType.F32, (5, out)))
+            assert np.all(np.any(view_of(a, QType.F32, (5, out)), axis=1))
+    finally:
+        g.close()
+        allocator.close()
+        for o in others:
+            o.close()
+
+
 def test_the_variants_differ_by_float_rounding_only(weight):
     """They quantize the rows alike; only the order of the float sums differs."""
     kernel, w, shape = weight

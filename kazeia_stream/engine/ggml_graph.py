@@ -474,23 +474,38 @@ class Graph:
         ids: Tensor | None = None,
         norm: tuple[Tensor, float] | None = None,
         residual: Tensor | None = None,
+        more: Sequence[Tensor] = (),
     ) -> Tensor:
         """w @ x [out, n] for the float32 columns of x [in, n] (each contiguous), by the C
         function at `fn`: a ggml custom operation of ours whose threads claim chunks of w's
         rows (`struct claims`, engine/ggml_op.h); for a stack of matrices w, `ids` (int32, n in
         a row) names the one each column takes. `norm` (weight [in], epsilon): each column
         RMS-normed and times the weight first; `residual` [out, n]: added to the product (as
-        ggml's rms_norm, mul and add compute them, in the same operation)."""
+        ggml's rms_norm, mul and add compute them, in the same operation). `more`: matrices
+        of w's type and width that x multiplies in the same operation (no stack, no
+        residual), each product then a block [its out, n] after w's (`fused`)."""
         assert type_of(x) == QType.F32 and dims(x)[2:] == (1, 1)
+        assert not more or (ids is None and residual is None), "a fused operation takes no stack nor residual"
         if strides(x)[0] != 4:
             x = self.cont(x)
         claims = _Claims()
         if norm is not None:
             claims.eps = norm[1]
-        args = [w, x, ids, None if norm is None else norm[0], residual]
+        args = [w, x, ids, None if norm is None else norm[0], residual, *more]
         while args[-1] is None:
             args.pop()
-        return self.custom(fn, (dims(w)[1], dims(x)[1]), args, claims)
+        rows = sum(dims(m)[1] for m in (w, *more))
+        return self.custom(fn, (rows, dims(x)[1]), args, claims)
+
+    def fused(self, y: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
+        """The products [out_i, n] of a `product` of ws[0] with `more` = ws[1:], as views of
+        its blocks."""
+        n, views, offset = dims(y)[1], [], 0
+        for w in ws:
+            out = dims(w)[1]
+            views.append(self.view(y, (out, n), (4 * out,), offset))
+            offset += 4 * out * n
+        return views
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._op(ggml.ggml_mul(self._ctx, a, b))

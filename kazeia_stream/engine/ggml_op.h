@@ -156,14 +156,27 @@ static inline void rms_normed(const float *x, const float *w, int64_t k, float e
    w is a stack) the matrix each column takes, src[3] (where given) the weight of an RMS norm
    that each column of x takes first (epsilon claims->eps), src[4] (where given) a residual
    [m, n] added to the product (where ggml ran a norm, a mul and an add as operations of their
-   own, each ended by a barrier); on one variant's quantizer, layout and tiles. Columns that
-   take the same matrix one after another pass its rows together, up to ROWS at a time. */
+   own, each ended by a barrier); src[5] and src[6] (where given, with no stack and no
+   residual) more matrices as wide as src[0], of its type, that x multiplies in the same
+   operation (a layer's q, k and v, or its gate and up: x normed and quantized once, and one
+   barrier, where each operation's end cost 8-11 us on two threads of Zen 3), dst then each
+   one's product [its rows, n] after the one before; on one variant's quantizer, layout and
+   tiles. Columns that take the same matrix one after another pass its rows together, up to
+   ROWS at a time. */
+#define MAX_FUSED 3 /* matrices an operation multiplies x by: src[0], src[5], src[6] */
 static inline void product(struct tensor *dst, int ith, int nth, struct claims *claims, int64_t block_k,
                            void (*quantize)(const float *, int64_t, int8_t *, float *),
                            const struct layout *layout, tile_fn *tile) {
     const struct tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2], *norm = dst->src[3],
                         *residual = dst->src[4];
-    const int64_t k = w->ne[0], m = w->ne[1], n = x->ne[1], nb = k / block_k;
+    const struct tensor *ws[MAX_FUSED] = {w}; /* the matrices, their rows from starts[i] on */
+    int64_t starts[MAX_FUSED + 1] = {0, w->ne[1]};
+    int fused = 1;
+    for (; fused < MAX_FUSED && dst->src[4 + fused] != NULL; fused++) {
+        ws[fused] = dst->src[4 + fused];
+        starts[fused + 1] = starts[fused] + ws[fused]->ne[1];
+    }
+    const int64_t k = w->ne[0], m = starts[fused], n = x->ne[1], nb = k / block_k;
     const size_t groups = (size_t)((nb + layout->blocks - 1) / layout->blocks);
     const size_t q_row = groups * layout->bytes, d_row = groups * layout->floats;
     int8_t *q = aligned_alloc(64, (n * q_row + 63) / 64 * 64);
@@ -194,22 +207,27 @@ static inline void product(struct tensor *dst, int ith, int nth, struct claims *
     for (int64_t s = 0; pack_bytes && s < count; s++)
         layout->pack(q + sets[s] * q_row, d + sets[s] * d_row, q_row, d_row, (int)(sets[s + 1] - sets[s]), nb,
                      packed + s * pack_bytes);
-    const size_t dst_row = dst->nb[1] / sizeof(float);
     for (int64_t first, last; claim(claims, m, ith, nth, &first, &last);) {
-        for (int64_t r0 = first; r0 < last; r0 += TILE_ROWS) {
-            int64_t r1 = r0 + TILE_ROWS < last ? r0 + TILE_ROWS : last;
-            for (int64_t s = 0; s < count; s++) {
-                const int64_t r = sets[s];
-                const char *weights = (const char *)w->data + matrix_of(w, ids, r) * w->nb[2];
-                float *out = (float *)dst->data + r * dst_row;
-                tile(weights, nb, q_row, d_row, (int)(sets[s + 1] - r), q + r * q_row, d + r * d_row, out,
-                     dst_row, r0, r1, packed != NULL ? packed + s * pack_bytes : NULL);
+        for (int f = 0; f < fused; f++) { /* the claimed rows of each matrix */
+            const int64_t from = first > starts[f] ? first : starts[f];
+            const int64_t to = last < starts[f + 1] ? last : starts[f + 1];
+            const size_t dst_row = (size_t)ws[f]->ne[1];
+            float *block = (float *)dst->data + starts[f] * n;
+            for (int64_t r0 = from; r0 < to; r0 += TILE_ROWS) {
+                int64_t r1 = r0 + TILE_ROWS < to ? r0 + TILE_ROWS : to;
+                for (int64_t s = 0; s < count; s++) {
+                    const int64_t r = sets[s];
+                    const char *weights = (const char *)ws[f]->data + matrix_of(ws[f], ids, r) * ws[f]->nb[2];
+                    tile(weights, nb, q_row, d_row, (int)(sets[s + 1] - r), q + r * q_row, d + r * d_row,
+                         block + r * dst_row, dst_row, r0 - starts[f], r1 - starts[f],
+                         packed != NULL ? packed + s * pack_bytes : NULL);
+                }
             }
         }
         if (residual != NULL) /* ggml's add: residual + product */
             for (int64_t r = 0; r < n; r++) {
                 const float *add = (const float *)((const char *)residual->data + r * residual->nb[1]);
-                float *out = (float *)dst->data + r * dst_row;
+                float *out = (float *)dst->data + r * m;
                 for (int64_t i = first; i < last; i++) out[i] = add[i] + out[i];
             }
     }

@@ -5,7 +5,7 @@ and a benchmark from memory."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache, partial
 
 from gguf import GGML_QUANT_SIZES
@@ -66,6 +66,22 @@ class Kernel:
         assert variant is not None, "the kernel does not run here"
         assert (ids is None) == (dims(w)[2] == 1), "a stack's product needs ids, a matrix's none"
         return g.product(native.address(self.name, variant, self.op), w, x, ids, norm, residual)
+
+    def products(
+        self,
+        g: Graph,
+        ws: Sequence[Tensor],
+        x: Tensor,
+        norm: tuple[Tensor, float] | None = None,
+        variant: str | None = None,
+    ) -> list[Tensor]:
+        """Each matrix of ws (`takes`, as wide) times x, in one operation on `variant`
+        (default: the chosen one): x normed and quantized once, and one barrier where each
+        product would end with one."""
+        variant = variant or self.chosen()
+        assert variant is not None, "the kernel does not run here"
+        fn = native.address(self.name, variant, self.op)
+        return g.fused(g.product(fn, ws[0], x, norm=norm, more=ws[1:]), ws)
 
     def bench(self, argv: list[str] | None = None) -> None:
         """ms per product of a random weight of about MB megabytes (larger than the caches:

@@ -593,10 +593,13 @@ class Qwen3LM:
             return self._product(g, f"{bid}.{role}", t, columns, together, residual=residual)
 
         def products(roles: tuple[str, ...], t: Tensor, norm: str) -> list[Tensor]:
-            """The products of t RMS-normed by weight `norm`: the norm in each of our kernels'
-            operations (none of its own, and no barrier), else once as ggml's."""
-            if all(product_kernel(w[role]) is not None for role in roles):
-                name = f"{bid}.{norm}"
+            """The products of t RMS-normed by weight `norm`: the norm in our kernels'
+            operations (none of its own, and no barrier), all in one where one kernel takes
+            every weight (a Q4_K_M talker's v may be Q6_K beside Q4_K), else once as ggml's."""
+            kernels, name = {product_kernel(w[role]) for role in roles}, f"{bid}.{norm}"
+            if len(kernels) == 1 and (kernel := next(iter(kernels))) is not None:
+                return kernel.products(g, [w[r] for r in roles], t, (self.weights[name], eps))
+            if None not in kernels:
                 return [self._product(g, f"{bid}.{r}", t, columns, together, norm=name) for r in roles]
             h = normed(t, norm)
             return [product(role, h) for role in roles]
