@@ -103,13 +103,14 @@ def test_one_operation_of_several_matrices_gives_each_one_s_numbers(weight, vari
     if variant not in kernel.variants():
         pytest.skip(f"this CPU does not run the {variant} variant")
     rng = np.random.default_rng(7)
+    rows = (m, 72, 40)
     others = [
         ArrayTensor(
-            quantize(rng.standard_normal((rows, k), dtype=np.float32), kernel.qtype), kernel.qtype, (rows, k)
+            quantize(rng.standard_normal((r, k), dtype=np.float32), kernel.qtype), kernel.qtype, (r, k)
         )
-        for rows in (72, 40)
+        for r in rows[1:]
     ]
-    ws, rows = [w, *(o.tensor for o in others)], (m, 72, 40)
+    ws = [w, *(o.tensor for o in others)]
     allocator, g = Allocator(), Graph(32)
     try:
         columns, scale = g.input(QType.F32, (5, k)), g.input(QType.F32, (k,))
