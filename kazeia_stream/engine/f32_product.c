@@ -342,7 +342,7 @@ BCAST_BY(AVX2 static, few_rows256, bcast256, BROWS256, BVECS256, 8, COUNT8, in_b
 #define PROWS256 6
 
 AVX2 INLINE void packed256(const float *w, int64_t w_row, int64_t k, const float *xp, float *dst,
-                           int64_t dst_row, const int rr, const int whole, int left) {
+                           int64_t dst_row, const int rr, int left) {
     __m256 acc[PROWS256][2];
     for (int a = 0; a < rr; a++) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
     for (int64_t l = 0; l < k; l++) {
@@ -357,7 +357,7 @@ AVX2 INLINE void packed256(const float *w, int64_t w_row, int64_t k, const float
     const __m256i first8 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
     const __m256i last8 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8), lanes);
     for (int a = 0; a < rr; a++) {
-        if (whole) {
+        if (left == 16) {
             _mm256_storeu_ps(dst + a * dst_row, acc[a][0]);
             _mm256_storeu_ps(dst + a * dst_row + 8, acc[a][1]);
         } else {
@@ -368,53 +368,57 @@ AVX2 INLINE void packed256(const float *w, int64_t w_row, int64_t k, const float
 }
 
 /* packed256 for rr of 1..6 rows, each count's body inlined */
-#define ROWS6(w, w_row, k, xp, dst, dst_row, rr, whole, left)                 \
-    switch (rr) {                                                             \
-    case 1: packed256(w, w_row, k, xp, dst, dst_row, 1, whole, left); break;  \
-    case 2: packed256(w, w_row, k, xp, dst, dst_row, 2, whole, left); break;  \
-    case 3: packed256(w, w_row, k, xp, dst, dst_row, 3, whole, left); break;  \
-    case 4: packed256(w, w_row, k, xp, dst, dst_row, 4, whole, left); break;  \
-    case 5: packed256(w, w_row, k, xp, dst, dst_row, 5, whole, left); break;  \
-    default: packed256(w, w_row, k, xp, dst, dst_row, 6, whole, left); break; \
+#define ROWS6(w, w_row, k, xp, dst, dst_row, rr, left)                 \
+    switch (rr) {                                                      \
+    case 1: packed256(w, w_row, k, xp, dst, dst_row, 1, left); break;  \
+    case 2: packed256(w, w_row, k, xp, dst, dst_row, 2, left); break;  \
+    case 3: packed256(w, w_row, k, xp, dst, dst_row, 3, left); break;  \
+    case 4: packed256(w, w_row, k, xp, dst, dst_row, 4, left); break;  \
+    case 5: packed256(w, w_row, k, xp, dst, dst_row, 5, left); break;  \
+    default: packed256(w, w_row, k, xp, dst, dst_row, 6, left); break; \
     }
 
-/* x's columns [j, j + left) as packed256 reads them: [k][16], zeros past `left`. */
-AVX2 static void pack_columns(const float *x, int64_t x_row, int64_t k, int64_t j, int left, float *xp) {
-    for (int64_t l = 0; l < k; l++) {
-        const float *from = x + l * x_row + j;
-        float *to = xp + 16 * l;
-        if (left == 16) {
-            _mm256_store_ps(to, _mm256_loadu_ps(from));
-            _mm256_store_ps(to + 8, _mm256_loadu_ps(from + 8));
-        } else {
-            memcpy(to, from, (size_t)left * sizeof(float));
-            memset(to + left, 0, (size_t)(16 - left) * sizeof(float));
+/* x [k, n] (rows x_row floats apart) as packed256 reads it: each 16 columns a [k][16] after
+   the last, zeros past column n. */
+AVX2 static void pack_columns(const float *x, int64_t x_row, int64_t k, int64_t n, float *xp) {
+    for (int64_t j = 0; j < n; j += 16, xp += 16 * k) {
+        const int64_t left = n - j < 16 ? n - j : 16;
+        for (int64_t l = 0; l < k; l++) {
+            const float *from = x + l * x_row + j;
+            float *to = xp + 16 * l;
+            if (left == 16) {
+                _mm256_store_ps(to, _mm256_loadu_ps(from));
+                _mm256_store_ps(to + 8, _mm256_loadu_ps(from + 8));
+            } else {
+                memcpy(to, from, (size_t)left * sizeof(float));
+                memset(to + left, 0, (size_t)(16 - left) * sizeof(float));
+            }
         }
     }
 }
 
-/* As BCAST_BY's loops (blocks of W's rows, each by every tile of columns), a tile's columns
-   packed once for the block's rows. */
+/* As BCAST_BY's loops (blocks of W's rows, each by every tile of columns), x's columns packed
+   once for all the blocks. */
 AVX2 void kz_f32_product_rows_avx2(const float *w, int64_t m, int64_t k, int64_t w_row, const float *x,
                                    int64_t x_row, int64_t n, float *dst, int64_t dst_row) {
     if (m < PROWS256) {
         few_rows256(w, m, k, w_row, x, x_row, n, dst, dst_row);
         return;
     }
-    float *xp = aligned_alloc(32, (size_t)k * 16 * sizeof(float));
+    float *xp = aligned_alloc(32, (size_t)((n + 15) / 16) * (size_t)k * 16 * sizeof(float));
     if (xp == NULL) abort(); /* as numpy would raise */
+    pack_columns(x, x_row, k, n, xp);
     const int64_t step = in_bytes256(k, PROWS256);
     for (int64_t i0 = 0; i0 < m; i0 += step)
         for (int64_t j = 0; j < n; j += 16) {
-            const int left = n - j < 16 ? (int)(n - j) : 16;
-            pack_columns(x, x_row, k, j, left, xp);
+            const float *tile = xp + j * k; /* its columns' [k][16] */
             for (int64_t i = i0; i < i0 + step && i < m; i += PROWS256) {
                 const int rr = m - i < PROWS256 ? (int)(m - i) : PROWS256;
                 float *d = dst + i * dst_row + j;
-                if (left == 16) {
-                    ROWS6(w + i * w_row, w_row, k, xp, d, dst_row, rr, 1, 16)
+                if (n - j >= 16) {
+                    ROWS6(w + i * w_row, w_row, k, tile, d, dst_row, rr, 16)
                 } else {
-                    ROWS6(w + i * w_row, w_row, k, xp, d, dst_row, rr, 0, left)
+                    ROWS6(w + i * w_row, w_row, k, tile, d, dst_row, rr, (int)(n - j))
                 }
             }
         }
