@@ -62,10 +62,8 @@ class Kernel:
         (default: the chosen one). For a stack w, `ids` (int32, n in a row) names the matrix
         each column takes: the code predictor's heads, all the streams' columns in one product.
         `norm` and `residual` as `Graph.product` takes them."""
-        variant = variant or self.chosen()
-        assert variant is not None, "the kernel does not run here"
         assert (ids is None) == (dims(w)[2] == 1), "a stack's product needs ids, a matrix's none"
-        return g.product(native.address(self.name, variant, self.op), w, x, ids, norm, residual)
+        return g.product(self._address(variant), w, x, ids, norm, residual)
 
     def products(
         self,
@@ -78,10 +76,13 @@ class Kernel:
         """Each matrix of ws (`takes`, as wide) times x, in one operation on `variant`
         (default: the chosen one): x normed and quantized once, and one barrier where each
         product would end with one."""
+        return g.fused(g.product(self._address(variant), ws[0], x, norm=norm, more=ws[1:]), ws)
+
+    def _address(self, variant: str | None) -> int:
+        """The operation's C function on `variant` (default: the chosen one)."""
         variant = variant or self.chosen()
         assert variant is not None, "the kernel does not run here"
-        fn = native.address(self.name, variant, self.op)
-        return g.fused(g.product(fn, ws[0], x, norm=norm, more=ws[1:]), ws)
+        return native.address(self.name, variant, self.op)
 
     def bench(self, argv: list[str] | None = None) -> None:
         """ms per product of a random weight of about MB megabytes (larger than the caches:
