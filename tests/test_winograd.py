@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kazeia_stream.engine import winograd
+from kazeia_stream.engine import f32_product, winograd
 
-needs_kernel = pytest.mark.skipif(not winograd.available(), reason="the transforms' kernel is not built here")
+needs_kernel = pytest.mark.skipif(not winograd.available(), reason="our kernels are not built here")
 
 
 def test_the_algorithm_is_the_correlation_of_seven_taps():
@@ -76,17 +76,11 @@ def _direct(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int)
 
 
 def _tiled(w: np.ndarray, bias: np.ndarray, buf: np.ndarray, cols: int, d: int, frame: int = 0) -> np.ndarray:
-    """The convolution as the decoder runs it, each product a tile at a time (numpy's GEMMs
-    give a column other bits with other columns; the decoder's products do not)."""
-    u = winograd.kernel_weights(w)
+    """The convolution as the decoder runs it: our kernels' transforms and products, in one call."""
+    packed = [f32_product.pack(u_k) for u_k in winograd.kernel_weights(w)]
+    products = winograd.Products.of(packed, w.shape[:2], f32_product.chosen())
     y = np.full((len(w), cols), np.nan, np.float32)
-    for chunk in winograd.chunks(cols, d, frame):
-        v = winograd.transform_in(buf, chunk, d)
-        m = winograd.planes(chunk.tiles, len(w))
-        for k in range(winograd.SIZE):
-            for t in range(chunk.tiles):
-                m[k, t] = u[k] @ v[k, t]
-        winograd.transform_out(m, chunk, d, bias, y)
+    winograd.convolve(buf, cols, d, frame, products, bias, y)
     return y
 
 
@@ -150,3 +144,17 @@ def test_a_push_of_several_frames_gives_each_frame_s_bits_alone():
 def test_kazeia_winograd_0_asks_for_the_direct_products(monkeypatch):
     monkeypatch.setenv(winograd.ENV, "0")
     assert not winograd.available()
+
+
+@needs_kernel
+def test_products_shared_by_a_team_give_the_same_bits():
+    """The decoder's first frames share each product's rows with a helper thread."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((48, 40, 7)).astype(np.float32)
+    bias = rng.standard_normal(48).astype(np.float32)
+    buf = rng.standard_normal((40, 6 * 3 + 640)).astype(np.float32)
+    alone = _tiled(w, bias, buf, 640, 3)
+    with f32_product.Team(2) as team:
+        shared = _tiled(w, bias, buf, 640, 3)
+    assert team.shared == winograd.SIZE * len(winograd.chunks(640, 3))
+    np.testing.assert_array_equal(shared, alone)

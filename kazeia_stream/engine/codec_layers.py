@@ -163,6 +163,7 @@ class CausalConv:
         self.context, self.c_in = (k - 1) * dilation, c_in
         self.method = "gathered"  # "taps" once `split`, "winograd" once `tile`d
         self.frame_columns = 0
+        self._winograd: winograd.Products | None = None  # the products as winograd.c takes them
 
     def split(self) -> None:
         """Multiply tap by tap from now on (the weight in place is let go)."""
@@ -187,6 +188,15 @@ class CausalConv:
         self.method = "winograd"
         winograd.float32_matrices()  # the transforms' matrices made now, not in the first frame
 
+    def _tiled(self) -> winograd.Products:
+        """The products of `tile` as our kernels take them, once the load has placed the
+        weights (`Matrix.multiply_directly`: in panels)."""
+        if self._winograd is None:
+            first, weights = self.products[0], [m.array for m in self.products]
+            assert first.variant is not None and first.panels, "Winograd's products run on our kernel"
+            self._winograd = winograd.Products.of(weights, first.shape, first.variant)
+        return self._winograd
+
     def calls(self, n: int) -> Iterator[tuple[Matrix, int]]:
         """The products of a call on n columns, in order: (weight, columns it multiplies)."""
         if self.method != "winograd":
@@ -202,13 +212,8 @@ class CausalConv:
         """The output for the n columns written into `state.input(n)`."""
         buf, d, products = state.buf, self.dilation * state.streams, self.products
         if self.method == "winograd":
-            y = np.empty((len(self.bias), n), F32)
-            for chunk in winograd.chunks(n, d, self.frame_columns * state.streams):
-                v = winograd.transform_in(buf, chunk, d)
-                m = winograd.planes(chunk.tiles, len(self.bias))
-                for product, v_k, m_k in zip(products, v, m):
-                    product(v_k.T, out=m_k.T)  # tile-major, as the transforms take them
-                winograd.transform_out(m, chunk, d, self.bias, y)
+            y, frame = np.empty((len(self.bias), n), F32), self.frame_columns * state.streams
+            winograd.convolve(buf, n, d, frame, self._tiled(), self.bias[:, 0], y)
             state.advance(n)
             return y
         if self.k == 1:

@@ -108,8 +108,7 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
         assert w.dtype == np.float32, "weights in place are float32"
         assert x.strides[1] == out.strides[1] == w.strides[1] == 4, "rows of contiguous numbers"
         op, w_row, x_step, out_step = "rows", w.strides[0] // 4, x.strides[0], out.strides[0]
-    team = _team.get()
-    address, parts = (team.address, team.threads) if team else (None, 1)
+    address, parts = sharing()
     _calls().kz_f32_product_shared(
         address,
         parts,
@@ -125,6 +124,19 @@ def multiply(w: np.ndarray, shape: tuple[int, int], x: np.ndarray, out: np.ndarr
         native.data(out),
         out_step // 4,
     )
+
+
+def sharing() -> tuple[int | None, int]:
+    """The team that this thread's products share their rows with now (`Team`): its address
+    and threads, or (None, 1) for none."""
+    team = _team.get()
+    return (team.address, team.threads) if team else (None, 1)
+
+
+def shared_address() -> int:
+    """The address of f32_product.c's `kz_f32_product_shared` (`multiply`'s call), for a kernel
+    of ours that multiplies on this one (winograd.c)."""
+    return ctypes.cast(_calls().kz_f32_product_shared, ctypes.c_void_p).value or 0
 
 
 class Team:

@@ -3,7 +3,9 @@
    the outputs at columns t + i d, i = 0..3, made from the 10 inputs at t + u d, u = 0..9, of
    the layer's context buffer (a tile of fewer outputs, at the end of a call, takes zeros for
    the inputs it does not need). The 10 products between the transforms are the GEMMs,
-   tile-major: V_k [tiles, C_in] in, M_k = V_k U_k^T [tiles, C_out] out.
+   tile-major: V_k [tiles, C_in] in, M_k = V_k U_k^T [tiles, C_out] out, on f32_product.c's
+   kernel (`kz_winograd_conv`: a convolution's call in one call of ours, which took 133
+   products and 21 transforms a frame through Python, about 10 us each).
 
    Tiles come in runs (`struct run`): `count` tiles from column `col`, `step` apart (1, or 4
    for a dilation of 1: tiles at t, t + 4, ...), of `outputs` outputs each. A tile's numbers
@@ -67,7 +69,7 @@ AVX2 static void transpose8(const float *src, int64_t ld, int64_t n_in, float *d
 /* The input transform: x [rows, ld] (a context buffer's rows, `width` columns read), v
    [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes `plane` floats apart). Each
    group of 8 rows is first turned into columns of 8, in `cols` (8 * width floats). */
-AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t width, int64_t d,
+AVX2 static void transform_in(const float *x, int64_t rows, int64_t ld, int64_t width, int64_t d,
                               const struct run *runs, int64_t n_runs, const float *bt, float *v,
                               int64_t ldv, int64_t plane, float *cols) {
     const __m256i all = _mm256_set1_epi32(-1);
@@ -114,7 +116,7 @@ AVX2 void kz_winograd_in_avx2(const float *x, int64_t rows, int64_t ld, int64_t 
    outputs only (columns from y on; `width` the columns its inputs span). `cols`: 8 * (width +
    8) floats for the outputs' columns of 8, then width + 8 int32, -1 at the columns the chunk
    writes. */
-AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_t plane, int64_t d,
+AVX2 static void transform_out(const float *m, int64_t rows, int64_t ldm, int64_t plane, int64_t d,
                                const struct run *runs, int64_t n_runs, const float *at,
                                const float *bias, float *y, int64_t ld, int64_t width, float *cols) {
     int32_t *written = (int32_t *)(cols + 8 * (width + 8));
@@ -158,5 +160,44 @@ AVX2 void kz_winograd_out_avx2(const float *m, int64_t rows, int64_t ldm, int64_
             __m256i mask = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(written + c)), lanes(end - c));
             transpose8(cols + 8 * c, 8, 8, y + r0 * ld + c, ld, n, mask);
         }
+    }
+}
+
+/* f32_product.c's `kz_f32_product_shared`: dst = W x on that kernel's `fn` (its panels, W
+   packed), by its caller alone or shared with a team's helpers. */
+typedef void product_fn(void *team, int64_t parts, void *fn, const void *w, size_t size, int64_t m, int64_t k,
+                        int64_t rows_w, const float *x, int64_t x_step, int64_t n, float *dst, int64_t dst_step);
+
+/* The 10 products of a convolution: U_k packed in panels of `size`-byte weights [c_out, c_in]. */
+struct products {
+    product_fn *shared;
+    void *team;
+    int64_t parts;
+    void *panels;
+    int64_t size, c_out, c_in;
+    const void *u[P];
+};
+
+/* Consecutive tiles of a call, transformed and multiplied together: runs[first, first + count),
+   their columns counted from `start`, reading `width` columns from there (winograd.py's Chunk). */
+struct chunk {
+    int64_t start, width, first, count, tiles;
+};
+
+/* A convolution's call, chunk by chunk: the input transform of x [c_in, ld] (a context
+   buffer), the 10 products, the output transform into y [c_out, ld_y] plus the bias. v and m:
+   the planes [P][tiles][ldv or ldm] of the largest chunk; cols: 9 * (the widest chunk's width
+   + 8) floats. */
+AVX2 void kz_winograd_conv_avx2(const float *x, int64_t ld, int64_t d, const struct chunk *chunks, int64_t n_chunks,
+                                const struct run *runs, const struct products *p, const float *bt,
+                                const float *at, const float *bias, float *y, int64_t ld_y, float *v,
+                                int64_t ldv, int64_t plane_v, float *m, int64_t ldm, int64_t plane_m, float *cols) {
+    for (const struct chunk *c = chunks; c < chunks + n_chunks; c++) {
+        const struct run *own = runs + c->first;
+        transform_in(x + c->start, p->c_in, ld, c->width, d, own, c->count, bt, v, ldv, plane_v, cols);
+        for (int k = 0; k < P; k++)
+            p->shared(p->team, p->parts, p->panels, p->u[k], (size_t)p->size, p->c_out, p->c_in, 0,
+                      v + k * plane_v, ldv, c->tiles, m + k * plane_m, ldm);
+        transform_out(m, p->c_out, ldm, plane_m, d, own, c->count, at, bias, y + c->start, ld_y, c->width, cols);
     }
 }

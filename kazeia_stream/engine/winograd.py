@@ -22,14 +22,14 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
 import numpy as np
 
-from . import native
+from . import f32_product, native
 
 ENV = "KAZEIA_WINOGRAD"  # "0": the direct products, each tap's, as the official decoder
 TAPS = 7
@@ -51,8 +51,10 @@ F32 = np.float32
 
 def available() -> bool:
     """Whether the decoder multiplies so: our transforms' kernel runs here (built, the CPU has
-    AVX2 with FMA), and `KAZEIA_WINOGRAD=0` does not ask for the direct products."""
-    return os.environ.get(ENV) != "0" and bool(native.variants("winograd"))
+    AVX2 with FMA) and so does our float32 kernel, which it calls for the products
+    (`f32_product.chosen`), and `KAZEIA_WINOGRAD=0` does not ask for the direct products."""
+    wanted = os.environ.get(ENV) != "0"
+    return wanted and bool(native.variants("winograd")) and f32_product.chosen() is not None
 
 
 def _inverse(a: list[list[Fraction]]) -> list[list[Fraction]]:
@@ -171,21 +173,111 @@ def chunks(cols: int, d: int, frame: int = 0) -> tuple[Chunk, ...]:
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGS = {  # winograd.c's parameters
-    "in": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _P],
-    "out": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _I, _I, _P],
-}
+
+
+class Products(ctypes.Structure):
+    """winograd.c's `struct products`: a convolution's 10 products U_k V_k on our float32
+    kernel (`f32_product`), each U_k [C_out, C_in] packed in panels. It points into the
+    arrays, which their holder keeps (the convolution's `Matrix`es)."""
+
+    _fields_ = [
+        ("shared", _P),
+        ("team", _P),
+        ("parts", _I),
+        ("panels", _P),
+        ("size", _I),
+        ("c_out", _I),
+        ("c_in", _I),
+        ("u", _P * SIZE),
+    ]
+
+    @classmethod
+    def of(cls, weights: Sequence[np.ndarray], shape: tuple[int, int], variant: str) -> Products:
+        """The products of `weights` (`f32_product.pack`'s panels of U_k, of `shape`) on the
+        kernel's `variant`."""
+        assert len(weights) == SIZE and all(w.ndim == 3 and w.dtype == F32 for w in weights)
+        return cls(
+            shared=f32_product.shared_address(),
+            panels=native.address("f32_product", variant, "panels"),
+            size=4,
+            c_out=shape[0],
+            c_in=shape[1],
+            u=(_P * SIZE)(*(native.data(w) for w in weights)),
+        )
+
+
+class _Chunk(ctypes.Structure):
+    """winograd.c's `struct chunk`: a `Chunk`, its runs a slice of the call's."""
+
+    _fields_ = [("start", _I), ("width", _I), ("first", _I), ("count", _I), ("tiles", _I)]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """`chunks(cols, d, frame)` as winograd.c takes them, and the most tiles and columns of one."""
+
+    chunks: ctypes.Array[_Chunk]
+    runs: np.ndarray
+    tiles: int
+    width: int
 
 
 @cache
-def _function(op: str) -> Callable[..., None]:
-    fn = native.function("winograd", native.variants("winograd")[0], op)
-    fn.argtypes, fn.restype = _ARGS[op], None
+def _call(cols: int, d: int, frame: int) -> _Call:
+    parts = chunks(cols, d, frame)
+    firsts = np.cumsum([0] + [len(c.runs) for c in parts])
+    table = (_Chunk * len(parts))(
+        *(_Chunk(c.start, c.width, f, len(c.runs), c.tiles) for c, f in zip(parts, firsts))
+    )
+    runs = np.concatenate([c.runs for c in parts]).astype(np.int64)
+    return _Call(table, runs, max(c.tiles for c in parts), max(c.width for c in parts))
+
+
+@cache
+def _convolve() -> Callable[..., None]:
+    fn = native.function("winograd", native.variants("winograd")[0], "conv")
+    fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _I, _I, _P]
+    fn.restype = None
     return fn
 
 
-def _call(op: str, *args: np.ndarray | int) -> None:
-    _function(op)(*(native.data(a) if isinstance(a, np.ndarray) else a for a in args))
+def convolve(
+    buf: np.ndarray, cols: int, d: int, frame: int, products: Products, bias: np.ndarray, y: np.ndarray
+) -> None:
+    """y [C_out, cols] = bias + the causal convolution of a context buffer buf [C_in, (6 d +
+    cols)] (contiguous columns; output t's taps are columns t + j d), in F(4, 7): tiled as
+    `chunks(cols, d, frame)` has it, each chunk's input transformed, multiplied by the 10
+    `products` (on the team this thread's products share, `f32_product.sharing`) and
+    transformed back, in one call of our kernel."""
+    assert buf.dtype == y.dtype == bias.dtype == F32 and buf.strides[1] == 4 and y.flags.c_contiguous
+    assert buf.shape[0] == products.c_in and y.shape == (products.c_out, cols) and bias.flags.c_contiguous
+    call = _call(cols, d, frame)
+    v, m = planes(call.tiles, products.c_in), planes(call.tiles, products.c_out)
+    (ldv, plane_v), (ldm, plane_m) = _layout(v), _layout(m)
+    products.team, products.parts = f32_product.sharing()
+    a_t, _, b_t = float32_matrices()
+    scratch = np.empty(9 * (call.width + 8), F32)
+    _convolve()(
+        native.data(buf),
+        buf.strides[0] // 4,
+        d,
+        ctypes.addressof(call.chunks),
+        len(call.chunks),
+        native.data(call.runs),
+        ctypes.addressof(products),
+        native.data(b_t),
+        native.data(a_t),
+        native.data(bias),
+        native.data(y),
+        cols,
+        native.data(v),
+        ldv,
+        plane_v,
+        native.data(m),
+        ldm,
+        plane_m,
+        native.data(scratch),
+    )
 
 
 def planes(tiles: int, channels: int) -> np.ndarray:
@@ -202,29 +294,3 @@ def _layout(p: np.ndarray) -> tuple[int, int]:
     """(row, plane) strides in floats of `planes`' planes, checked."""
     assert p.dtype == F32 and p.strides[2] == 4 and p.strides[1] % 32 == 0 and p.shape[0] == SIZE
     return p.strides[1] // 4, p.strides[0] // 4
-
-
-def transform_in(buf: np.ndarray, chunk: Chunk, d: int) -> np.ndarray:
-    """V [10, tiles, C] (`planes`) = B^T of a chunk's tiles of a context buffer buf [C, (6 d +
-    cols)] (contiguous columns; output t's taps are columns t + j d): V[k] is the product's
-    input, a row per tile."""
-    assert buf.dtype == F32 and buf.strides[1] == 4 and buf.shape[1] >= chunk.start + chunk.width
-    rows, ld = buf.shape[0], buf.strides[0] // 4
-    v = planes(chunk.tiles, rows)
-    ldv, plane = _layout(v)
-    scratch, runs = np.empty(8 * chunk.width, F32), chunk.runs
-    x = buf[:, chunk.start :]
-    _call("in", x, rows, ld, chunk.width, d, runs, len(runs), float32_matrices()[2], v, ldv, plane, scratch)
-    return v
-
-
-def transform_out(m: np.ndarray, chunk: Chunk, d: int, bias: np.ndarray, y: np.ndarray) -> None:
-    """y [C, cols] at the chunk's outputs = bias + A^T of the products m [10, tiles, C]
-    (`planes`, a row per tile of `transform_in`'s)."""
-    ldm, plane = _layout(m)
-    assert m.shape[1] == chunk.tiles and m.shape[2] == y.shape[0]
-    assert y.dtype == F32 and y.flags.c_contiguous
-    bias = np.ascontiguousarray(bias, dtype=F32).reshape(-1)
-    scratch, runs = np.empty(9 * (chunk.width + 8), F32), chunk.runs
-    a_t, out, width = float32_matrices()[0], y[:, chunk.start :], chunk.width
-    _call("out", m, m.shape[2], ldm, plane, d, runs, len(runs), a_t, bias, out, y.shape[1], width, scratch)
