@@ -171,8 +171,6 @@ typedef void product_fn(void *team, int64_t parts, void *fn, const void *w, size
 /* The 10 products of a convolution: U_k packed in panels of `size`-byte weights [c_out, c_in]. */
 struct products {
     product_fn *shared;
-    void *team;
-    int64_t parts;
     void *panels;
     int64_t size, c_out, c_in;
     const void *u[P];
@@ -185,18 +183,20 @@ struct chunk {
 };
 
 /* A convolution's call, chunk by chunk: the input transform of x [c_in, ld] (a context
-   buffer), the 10 products, the output transform into y [c_out, ld_y] plus the bias. v and m:
+   buffer), the 10 products (shared with `team`'s helpers, parts - 1 of them, where team is not
+   NULL), the output transform into y [c_out, ld_y] plus the bias. v and m:
    the planes [P][tiles][ldv or ldm] of the largest chunk; cols: 9 * (the widest chunk's width
    + 8) floats. */
 AVX2 void kz_winograd_conv_avx2(const float *x, int64_t ld, int64_t d, const struct chunk *chunks, int64_t n_chunks,
-                                const struct run *runs, const struct products *p, const float *bt,
+                                const struct run *runs, const struct products *p, void *team, int64_t parts,
+                                const float *bt,
                                 const float *at, const float *bias, float *y, int64_t ld_y, float *v,
                                 int64_t ldv, int64_t plane_v, float *m, int64_t ldm, int64_t plane_m, float *cols) {
     for (const struct chunk *c = chunks; c < chunks + n_chunks; c++) {
         const struct run *own = runs + c->first;
         transform_in(x + c->start, p->c_in, ld, c->width, d, own, c->count, bt, v, ldv, plane_v, cols);
         for (int k = 0; k < P; k++)
-            p->shared(p->team, p->parts, p->panels, p->u[k], (size_t)p->size, p->c_out, p->c_in, 0,
+            p->shared(team, parts, p->panels, p->u[k], (size_t)p->size, p->c_out, p->c_in, 0,
                       v + k * plane_v, ldv, c->tiles, m + k * plane_m, ldm);
         transform_out(m, p->c_out, ldm, plane_m, d, own, c->count, at, bias, y + c->start, ld_y, c->width, cols);
     }

@@ -182,8 +182,6 @@ class Products(ctypes.Structure):
 
     _fields_ = [
         ("shared", _P),
-        ("team", _P),
-        ("parts", _I),
         ("panels", _P),
         ("size", _I),
         ("c_out", _I),
@@ -224,6 +222,7 @@ class _Call:
 
 @cache
 def _call(cols: int, d: int, frame: int) -> _Call:
+    """A call's chunks in winograd.c's `struct chunk`s and runs, made once per shape."""
     parts = chunks(cols, d, frame)
     firsts = np.cumsum([0] + [len(c.runs) for c in parts])
     table = (_Chunk * len(parts))(
@@ -236,7 +235,7 @@ def _call(cols: int, d: int, frame: int) -> _Call:
 @cache
 def _convolve() -> Callable[..., None]:
     fn = native.function("winograd", native.variants("winograd")[0], "conv")
-    fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _I, _I, _P]
+    fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _P, _I, _I, _P]
     fn.restype = None
     return fn
 
@@ -254,7 +253,7 @@ def convolve(
     call = _call(cols, d, frame)
     v, m = planes(call.tiles, products.c_in), planes(call.tiles, products.c_out)
     (ldv, plane_v), (ldm, plane_m) = _layout(v), _layout(m)
-    products.team, products.parts = f32_product.sharing()
+    team, parts = f32_product.sharing()
     a_t, _, b_t = float32_matrices()
     scratch = np.empty(9 * (call.width + 8), F32)
     _convolve()(
@@ -265,6 +264,8 @@ def convolve(
         len(call.chunks),
         native.data(call.runs),
         ctypes.addressof(products),
+        team,
+        parts,
         native.data(b_t),
         native.data(a_t),
         native.data(bias),
