@@ -16,9 +16,10 @@ PRODUCTS = ("winograd", "direct", "ggml")
 
 
 def tiny_decoder(mmproj: Path, products: str) -> CodecDecoder:
-    """The decoder of a tiny mmproj: "winograd", as it runs where the transforms' kernel does
-    (skipped elsewhere); "direct", each tap's product (`KAZEIA_WINOGRAD=0`); "ggml", its products of few
-    columns on ggml's kernels (`KAZEIA_F32_KERNEL=0`, as on a CPU without AVX2)."""
+    """The decoder of a tiny mmproj: "winograd", as it runs where our transforms' and float32
+    kernels do (skipped elsewhere); "direct", each tap's product (`KAZEIA_WINOGRAD=0`); "ggml", its
+    products of few columns on ggml's kernels, its convolutions direct (`KAZEIA_F32_KERNEL=0`, as on
+    a CPU without AVX2)."""
     if products == "winograd" and not winograd.available():
         pytest.skip("the transforms' kernel is not built here")
     with pytest.MonkeyPatch.context() as mp:
