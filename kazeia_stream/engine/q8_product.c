@@ -91,10 +91,9 @@ AVX512 static void quantize512(const float *x, int64_t k, int8_t *q, float *d8) 
 
 /* AVX2: a pair of blocks as the weights' pairs are taken (pair256): through the same unpacks,
    each 16-byte lane eight bytes of the first block and eight of the second, bytes 0-7 and
-   16-23 of each in the first register, 8-15 and 24-31 in the second; then |x| likewise. The
-   lanes of the int32 sums come out as b0, b0, b1, b1, b0, b0, b1, b1, and the scales are laid
-   out so. */
-static const struct layout layout256 = {2, 128, 8, NULL, NULL};
+   16-23 of each in the first register, 8-15 and 24-31 in the second. The lanes of the int32
+   sums come out as b0, b0, b1, b1, b0, b0, b1, b1, and the scales are laid out so. */
+static const struct layout layout256 = {2, 64, 8, NULL, NULL};
 
 /* A block of 32 floats quantized, its int8 in order; its scale in *d. */
 AVX2 static inline __m256i block256(const float *x, float *d) {
@@ -123,11 +122,9 @@ AVX2 static void quantize256(const float *x, int64_t k, int8_t *q, float *d) {
         __m256i b0 = block256(x + p * 64, &d0);
         __m256i b1 = 2 * p + 1 < nb ? block256(x + p * 64 + 32, &d1) : _mm256_setzero_si256();
         __m256i lo = _mm256_unpacklo_epi64(b0, b1), hi = _mm256_unpackhi_epi64(b0, b1);
-        __m256i *xq = (__m256i *)(q + p * 64), *xa = (__m256i *)(q + (pairs + p) * 64);
+        __m256i *xq = (__m256i *)(q + p * 64);
         _mm256_storeu_si256(xq, lo);
         _mm256_storeu_si256(xq + 1, hi);
-        _mm256_storeu_si256(xa, _mm256_abs_epi8(lo));
-        _mm256_storeu_si256(xa + 1, _mm256_abs_epi8(hi));
         _mm256_storeu_ps(d + p * 8, _mm256_setr_ps(d0, d0, d1, d1, d0, d0, d1, d1));
     }
 }
@@ -374,11 +371,9 @@ AVX2 INLINE void pair256(__m256i w0, __m256i w1, uint64_t d0, uint64_t d1, const
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < n; r++) {
         const __m256i *xq = (const __m256i *)(q + r * q_row);
-        const __m256i *xa = (const __m256i *)(q + r * q_row + q_row / 2); /* |x| */
-        __m256i plo = _mm256_maddubs_epi16(_mm256_loadu_si256(xa),
-                                           _mm256_sign_epi8(lo, _mm256_loadu_si256(xq)));
-        __m256i phi = _mm256_maddubs_epi16(_mm256_loadu_si256(xa + 1),
-                                           _mm256_sign_epi8(hi, _mm256_loadu_si256(xq + 1)));
+        const __m256i x0 = _mm256_loadu_si256(xq), x1 = _mm256_loadu_si256(xq + 1);
+        __m256i plo = _mm256_maddubs_epi16(_mm256_abs_epi8(x0), _mm256_sign_epi8(lo, x0));
+        __m256i phi = _mm256_maddubs_epi16(_mm256_abs_epi8(x1), _mm256_sign_epi8(hi, x1));
         __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
         __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(d + r * d_row));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);

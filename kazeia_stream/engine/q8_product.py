@@ -17,7 +17,8 @@ it is done: on Zen 4 (family 25 model 17), two threads taking chunks in turn rea
 where numpy's max read 61, from shares 49-52 (the same command).
 This kernel: int8 products two blocks a register, weight rows in tiles that every row of x
 passes, the weights prefetched far ahead. On AVX2 the two blocks are interleaved eight bytes at
-a time (x laid out to match, with its magnitudes beside it), so that one conversion to float,
+a time (x laid out to match; its magnitudes taken in registers, where loading them from a copy
+beside x was slower from memory), so that one conversion to float,
 one product of the scales and one fmadd serve both, and each row signs the weights by x
 instead of the weights' magnitudes being taken: on Zen 1 a third faster than a block a
 register from registers (`tools/mac_rate.c`), 1.2x from memory. A row's numbers do not
