@@ -31,11 +31,12 @@ static double clock_ghz(void) {
 #define EIGHT(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define FOUR(X) X(0) X(1) X(2) X(3)
 
-/* ns per 32 multiply-adds of the kernel's sequence for a pair of blocks and a row of x: the
-   weights' two interleaved halves signed by x, times |x| (u8 x s8 pairs), pairs of int16, the
-   halves' sums added, to float, fmadd by the scales (the weights' times x's). Four independent
-   pairs (x's bits stand for x's scales too: the timing does not depend on the values, which
-   stay normal floats). */
+/* ns per 32 multiply-adds of the kernel's sequence for a pair of blocks and four rows of x:
+   the weights' two interleaved halves' magnitudes (once for the four rows), each row signed by
+   the weights, times those magnitudes (u8 x s8 pairs), pairs of int16, the halves' sums added,
+   to float, fmadd by the scales (the weights' times x's). Four independent rows (x's bits
+   stand for its scales too: the timing does not depend on the values, which stay normal
+   floats). */
 static double int8_ns(void) {
     __m256i lo = _mm256_set1_epi8(-3), hi = _mm256_set1_epi8(5), ones = _mm256_set1_epi16(1);
     __m256 dw = _mm256_set1_ps(0x1p40f);
@@ -43,13 +44,13 @@ static double int8_ns(void) {
     FOUR(DECL)
     double t0 = now();
     for (long it = 0; it < N * 2; it++) {
-        /* the compiler must not hoist the products out of the loop: x may change */
-        __asm__ volatile("" : "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
+        /* the compiler must not hoist the products out of the loop: x and w may change */
+        __asm__ volatile("" : "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3), "+x"(lo), "+x"(hi));
+        const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
 #define STEP(i)                                                                                \
     {                                                                                          \
-        __m256i ax = _mm256_abs_epi8(x##i);                                                     \
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(lo, x##i)), ones); \
-        __m256i q = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(hi, x##i)), ones); \
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(x##i, lo)), ones); \
+        __m256i q = _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(x##i, hi)), ones); \
         a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p, q)), _mm256_mul_ps(dw, _mm256_castsi256_ps(x##i)), a##i); \
     }
         FOUR(STEP)
