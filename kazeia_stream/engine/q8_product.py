@@ -22,10 +22,10 @@ one fmadd serve both: on Zen 1 a third faster than a block a register from regis
 (`tools/mac_rate.c`), 1.2x from memory (measured when each row of x signed the weights, its
 magnitudes kept beside it). The weights' magnitudes are now taken once for every row of x that
 passes, and each row signed by the weights, as ggml's kernels do: on Zen 3, four rows from
-memory on one thread, 0.81-0.84 ns per 32 multiply-adds against 0.90-0.95 (`q8_product.c`). A row's numbers do not
-depend on the rows beside it (the engines' batched streams rely on it), and they are within
-float rounding of ggml's (1-3e-7 of the largest output: the rows are quantized as ggml does, per
-block of 32 to int8).
+memory on one thread, 0.81-0.84 ns per 32 multiply-adds against 0.90-0.95 (`q8_product.c`).
+A row's numbers do not depend on the rows beside it (the engines' batched streams rely on
+it), and they are within float rounding of ggml's (1-3e-7 of the largest output: the rows are
+quantized as ggml does, per block of 32 to int8).
 
 Where the CPU has AMX's int8 tiles (a Xeon of family 6 model 167 here), three or four rows of x
 (streams batched in the generator's passes) take them, to the AVX512 variant's numbers bit for
