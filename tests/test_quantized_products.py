@@ -58,6 +58,27 @@ def test_the_kernel_gives_ggml_s_products_to_float_rounding(weight, op, threads)
     assert not np.any(ours[3]) and np.all(np.any(ours, axis=1)[[0, 1, 2, 4]])
 
 
+@pytest.mark.parametrize("variant", native.VARIANTS)
+def test_a_q8_0_weight_of_minus_128_multiplies_as_ggml_s_does(variant):
+    """ggml's quantizer writes weights in [-127, 127], but a Q8_0 block may hold -128 (another
+    writer's file): its magnitude, 128, still fits the unsigned side of the AVX2 variant's
+    products, and x signed by it is -x."""
+    op = on_variant(q8_product.KERNEL, variant)
+    rng = np.random.default_rng(5)
+    m, k = 48, 256
+    data = quantize(rng.standard_normal((m, k), dtype=np.float32), QType.Q8_0)
+    blocks = data.reshape(m, k // 32, 34)  # each block: an fp16 scale, then 32 int8
+    blocks[:, :, 2::3] = np.uint8(0x80)  # every third weight -128
+    tensor = ArrayTensor(data, QType.Q8_0, (m, k))
+    try:
+        x = rng.standard_normal((5, k), dtype=np.float32)
+        x[1] = -np.abs(x[1])  # a row of negative values, signed by the weights
+        ours, ggml = (products(tensor.tensor, x, Allocator(), 1, kernel) for kernel in (op, None))
+        assert np.abs(ours - ggml).max() <= 1e-6 * np.abs(ggml).max()
+    finally:
+        tensor.close()
+
+
 def test_a_row_s_numbers_do_not_depend_on_the_rows_beside_it_or_the_threads(weight, op):
     _, w, shape = weight
     x = np.random.default_rng(2).standard_normal((9, shape[1]), dtype=np.float32)
