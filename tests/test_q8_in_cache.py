@@ -1,5 +1,6 @@
 """`tools/q8_in_cache.c` builds against the Q8_0 kernel's source as it is and reports both
-cases, each rate the bytes of 32 multiply-adds (34: a block) over its time."""
+cases for one row of x and for four, each rate the bytes of a block (34, its 32 weights) over
+the time of its 32 multiply-adds with every row."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ def test_the_tool_reports_the_kernel_from_the_cache_and_from_memory(tmp_path):
     exe = tmp_path / "q8_in_cache"
     source, include = ROOT / "tools" / "q8_in_cache.c", ROOT / "kazeia_stream" / "engine"
     subprocess.run(["cc", "-O3", "-I", str(include), str(source), "-o", str(exe), "-lm"], check=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    figures = FIGURES.findall(out)
-    assert [where for where, *_ in figures] == ["L2 cache", "memory"], out
-    for _, ns, gb_s in figures:
-        assert float(ns) > 0 and float(gb_s) == pytest.approx(34 / float(ns), rel=0.05, abs=0.1)
+    for args, rows in (([], 1), (["4"], 4)):
+        out = subprocess.run([str(exe), *args], capture_output=True, text=True, check=True).stdout
+        assert f", {rows} row(s) of x" in out, out
+        figures = FIGURES.findall(out)
+        assert [where for where, *_ in figures] == ["L2 cache", "memory"], out
+        for _, ns, gb_s in figures:
+            assert float(ns) > 0 and float(gb_s) == pytest.approx(34 / float(ns) / rows, rel=0.05, abs=0.1)
+    refused = subprocess.run([str(exe), "5"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "rows of x: 1 to 4" in refused.stdout
