@@ -8,6 +8,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from kernels import on_variant, replays
 
@@ -67,7 +68,8 @@ def test_a_q8_0_weight_of_minus_128_multiplies_as_ggml_s_does(variant):
     rng = np.random.default_rng(5)
     m, k = 48, 256
     data = quantize(rng.standard_normal((m, k), dtype=np.float32), QType.Q8_0)
-    blocks = data.reshape(m, k // 32, 34)  # each block: an fp16 scale, then 32 int8
+    values, size = GGML_QUANT_SIZES[QType.Q8_0]
+    blocks = data.reshape(m, k // values, size)  # each block: an fp16 scale, then its int8
     blocks[:, :, 2::3] = np.uint8(0x80)  # every third weight -128
     tensor = ArrayTensor(data, QType.Q8_0, (m, k))
     try:

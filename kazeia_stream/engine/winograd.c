@@ -189,9 +189,9 @@ struct chunk {
    + 8) floats. */
 AVX2 void kz_winograd_conv_avx2(const float *x, int64_t ld, int64_t d, const struct chunk *chunks, int64_t n_chunks,
                                 const struct run *runs, const struct products *p, void *team, int64_t parts,
-                                const float *bt,
-                                const float *at, const float *bias, float *y, int64_t ld_y, float *v,
-                                int64_t ldv, int64_t plane_v, float *m, int64_t ldm, int64_t plane_m, float *cols) {
+                                const float *bt, const float *at, const float *bias, float *y, int64_t ld_y,
+                                float *v, int64_t ldv, int64_t plane_v, float *m, int64_t ldm, int64_t plane_m,
+                                float *cols) {
     for (const struct chunk *c = chunks; c < chunks + n_chunks; c++) {
         const struct run *own = runs + c->first;
         transform_in(x + c->start, p->c_in, ld, c->width, d, own, c->count, bt, v, ldv, plane_v, cols);
