@@ -17,6 +17,7 @@ from ..model import gguf_layout as L
 from ..model.gguf_file import GGUFFile
 from . import snake, winograd
 from .matrix import F32, Matrix, float32
+from .overlap_add import overlap_add
 from .weight_cache import UNSAVED, WeightCache
 
 LAYER_NORM_EPS = 1e-6  # the ConvNeXt blocks' LayerNorm (hard-coded upstream)
@@ -270,7 +271,7 @@ class CausalTransConv:
 
     One sgemm [C_out * k, C_in] x [C_in, n * S] (S streams; the left one the stored weight's
     2-D transpose, copied once) gives Z[:, m, t], the contribution of input t to output t * s + m; then
-    an overlap-add: output t * s + m = Z[m, t] (m < s) + Z[s + m, t - 1] (m < k - s).
+    an overlap-add (`overlap_add`): output t * s + m = Z[m, t] (m < s) + Z[s + m, t - 1] (m < k - s).
     Z[:, s:, last t], the tail [k - s, C_out, S], is the state carried into the next call."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, stride: int) -> None:
@@ -286,18 +287,9 @@ class CausalTransConv:
         return np.zeros((self.k - self.s, self.c_out, 1), F32)
 
     def __call__(self, tail: np.ndarray, x: np.ndarray) -> np.ndarray:
-        k, s, streams = self.k, self.s, tail.shape[2]
-        n = x.shape[1] // streams
-        z = self.w(x).reshape(self.c_out, k, n, streams)
-        y = np.empty((self.c_out, n, s, streams), F32)
-        for m in range(s):  # one phase at a time: numpy would loop over the short m axis innermost
-            ym = y[:, :, m]  # output time steps t * s + m
-            np.add(z[:, m], self.bias, out=ym)
-            if m < k - s:
-                ym[:, 1:] += z[:, s + m, :-1]
-                ym[:, 0] += tail[m]
-        tail[...] = z[:, s:, -1].transpose(1, 0, 2)
-        return y.reshape(self.c_out, n * s * streams)
+        streams = tail.shape[2]
+        z = self.w(x).reshape(self.c_out, self.k, x.shape[1] // streams, streams)
+        return overlap_add(z, self.bias, tail, self.s)
 
 
 class ConvNeXtBlock:

@@ -1,8 +1,9 @@
 """Our C kernels' shared libraries (`_q8_product` from q8_product.c, `_kquant_product` from
 kquant_product.c, `_f32_product` from f32_product.c, `_kv_product` from kv_product.c, `_snake`
-from snake.c, `_winograd` from winograd.c, `_sampler` from sampler.c, `_code_step` from
-code_step.c and sampler.c), built as `clib` says: where one was not built (no C compiler), or
-its CPU lacks AVX2, the code it replaces runs (ggml's kernels, numpy)."""
+from snake.c, `_winograd` from winograd.c, `_overlap_add` from overlap_add.c, `_sampler` from
+sampler.c, `_code_step` from code_step.c and sampler.c), built as `clib` says: where one was
+not built (no C compiler), or its CPU lacks AVX2, the code it replaces runs (ggml's kernels,
+numpy)."""
 
 from __future__ import annotations
 
