@@ -395,10 +395,30 @@ async def _together(
         "ttfa_s_p95": _percentile_s(ttfa, 95),
         "rtf_per_stream": round(statistics.median((m.wall_s or 0.0) / m.audio_s for m in metrics), 3),
         "aggregate_audio_s_per_s": round(sum(m.audio_s for m in metrics) / wall, 3),
+        "steady_audio_s_per_s": _steady_audio_s_per_s(metrics),
         "wall_s": round(wall, 3),
         **_busy_shares(worked, wall),
         **_ms_per_stream_frame(worked, streams * frames),
     }
+
+
+def _steady_audio_s_per_s(metrics: list[UtteranceMetrics]) -> float:
+    """The audio seconds a second that the streams' frames were made at once every stream had
+    been heard and until the first of them had its last frame made: each stream's frames
+    over the time between the first and the last of them made then, summed. A round's streams
+    begin and end together, and lose time there that a server's streams, which come and go, do
+    not: the prefills and the first frames decoded alone as they begin, and the frames left to
+    decode once the generator is done as they end. 0 where a stream had fewer than two frames
+    made then (rounds of few frames)."""
+    heard = max(m.first_audio or 0.0 for m in metrics)
+    last = min(max(end for _, _, end in m.generator.spans) for m in metrics)
+    rate = 0.0
+    for m in metrics:
+        made = [end for _, _, end in m.generator.spans if heard <= end <= last]
+        if len(made) < 2 or made[-1] == made[0]:
+            return 0.0
+        rate += (len(made) - 1) / (made[-1] - made[0])
+    return round(rate * metrics[0].audio_s / metrics[0].frames, 3)
 
 
 async def _joining(runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int) -> list[float]:
@@ -445,9 +465,15 @@ async def run_streams_bench(
     for _ in range(repeat):
         figures = await _together(runtime, frames, streams, voice, seed)
         if streams > 1:
-            solo = (await _together(runtime, frames, 1, voice, seed))["aggregate_audio_s_per_s"]
-            figures["solo_audio_s_per_s"] = solo
-            figures["aggregate_x_solo"] = _digits(figures["aggregate_audio_s_per_s"] / solo)
+            solo = await _together(runtime, frames, 1, voice, seed)
+            figures["solo_audio_s_per_s"] = solo["aggregate_audio_s_per_s"]
+            figures["aggregate_x_solo"] = _digits(
+                figures["aggregate_audio_s_per_s"] / solo["aggregate_audio_s_per_s"]
+            )
+            if figures["steady_audio_s_per_s"] and solo["steady_audio_s_per_s"]:
+                figures["steady_x_solo"] = _digits(
+                    figures["steady_audio_s_per_s"] / solo["steady_audio_s_per_s"]
+                )
         results.append(figures)
     result = {**median(results), "streams": streams, "frames": frames}
     result["solo_ttfa_s"] = _percentile_s(

@@ -502,6 +502,7 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
     assert figures["rtf_per_stream"] > 0 and figures["aggregate_audio_s_per_s"] > 0
     assert figures["solo_ttfa_s"] > 0
     assert figures["solo_audio_s_per_s"] > 0 and figures["aggregate_x_solo"] > 0
+    assert figures["steady_audio_s_per_s"] >= 0  # 0 where the window is too short (see its test)
     # joins at spread moments while the others ran, at least one per round
     assert figures["joins"] >= 2 and 0 < figures["join_ttfa_s"] <= figures["join_ttfa_s_p95"]
     # all three streams' audio (6 frames of 80 ms each) over the wall time; both are medians of
@@ -522,6 +523,30 @@ def test_bench_streams_prints_the_documented_figures(tiny_gguf):
         " ms a stream-frame"
     )
     assert busy in r.stderr.decode()  # the summary line, on stderr beside --json
+
+
+def test_the_steady_rate_counts_each_stream_s_frames_made_between_all_heard_and_one_ended():
+    """Two streams of 80 ms frames: one made a frame every 0.1 s from t = 1.0 to 2.0, heard at
+    1.05; the other every 0.2 s from 1.1 to 2.3, heard at 1.25. Between 1.25 and the first's
+    last frame (2.0): the first's frames at 1.3 .. 2.0 (seven after the first in 0.7 s), the
+    second's at 1.3 .. 1.9 (three in 0.6 s): 15 frames a second, 1.2 audio seconds a second.
+    The beginnings and the ends (the second's frames after 2.0) are left out; a window that
+    holds fewer than two frames of a stream gives 0."""
+    from kazeia_stream.bench import _steady_audio_s_per_s
+    from kazeia_stream.channels import UtteranceMetrics
+
+    def stream(ends: np.ndarray, heard: float) -> UtteranceMetrics:
+        m = UtteranceMetrics(sample_rate=1000, samples=80 * len(ends), first_audio=heard)
+        for i, end in enumerate(ends):
+            m.generator.add(i, end - 0.05, float(end))
+            m.decoder.add(i, float(end), end + 0.01)
+        return m
+
+    first, second = stream(np.arange(10, 21) / 10, 1.05), stream(np.arange(11, 24, 2) / 10, 1.25)
+    assert _steady_audio_s_per_s([first, second]) == pytest.approx(1.2, abs=1e-3)
+    assert _steady_audio_s_per_s([first]) == pytest.approx(0.8, abs=1e-3)  # from its first audio on
+    late = stream(np.arange(19, 25) / 10, 1.95)  # heard once the first had one frame left to make
+    assert _steady_audio_s_per_s([first, late]) == 0.0
 
 
 def test_the_streams_bench_compares_each_round_with_one_stream_right_after_it(tiny_runtime, monkeypatch):
