@@ -367,21 +367,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if "join_ttfa_s" in figures
             else ""
         )
-        against_solo = (
-            f" ({figures['aggregate_x_solo']:.2f}x one stream's"
-            f" {figures['solo_audio_s_per_s']:.3f} in the same rounds)"
-            if "aggregate_x_solo" in figures
+        steady = (
+            f"; {figures['steady_audio_s_per_s']:.3f}, {figures['steady_x_solo']:.2f}x,"
+            " once all were heard and until one ended"
+            if "steady_x_solo" in figures
             else ""
         )
-        steady = (
-            f" ({figures['steady_audio_s_per_s']:.3f} once all were heard and until one ended,"
-            f" {figures['steady_x_solo']:.2f}x one stream's)"
-            if "steady_x_solo" in figures
+        against_solo = (
+            f" ({figures['aggregate_x_solo']:.2f}x one stream's"
+            f" {figures['solo_audio_s_per_s']:.3f} in the same rounds{steady})"
+            if "aggregate_x_solo" in figures
             else ""
         )
         _report(
             f"{figures['streams']} streams of {figures['frames']} frames: "
-            f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all{against_solo}{steady}, "
+            f"{figures['aggregate_audio_s_per_s']:.3f} s of audio per second in all{against_solo}, "
             f"RTF per stream {figures['rtf_per_stream']:.2f}; first audio p50 {figures['ttfa_s_p50']:.3f} s, "
             f"p95 {figures['ttfa_s_p95']:.3f} s (alone {figures['solo_ttfa_s']:.3f} s{joined}); "
             f"{_busy_line(figures)}, {figures['generator_ms_per_stream_frame']:.1f} and "

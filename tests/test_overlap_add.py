@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kazeia_stream.engine import native, overlap_add
+from kazeia_stream.engine import overlap_add
 
 F32 = np.float32
 # (C_out, k, stride): the decoder's blocks (k = 2 s), its upsampling (k = s), and one between
@@ -14,10 +14,12 @@ SHAPES = [(5, 6, 3), (3, 16, 8), (4, 2, 2), (6, 4, 3)]
 
 
 def _numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "library", lambda name: None)
+    monkeypatch.setattr(overlap_add, "_function", lambda: None)
 
 
-def _random(rng: np.random.Generator, c_out: int, k: int, stride: int, n: int, streams: int):
+def _random(
+    rng: np.random.Generator, c_out: int, k: int, stride: int, n: int, streams: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     z = rng.standard_normal((c_out, k, n, streams), dtype=F32)
     bias = rng.standard_normal((c_out, 1, 1), dtype=F32)
     tail = rng.standard_normal((k - stride, c_out, streams), dtype=F32)

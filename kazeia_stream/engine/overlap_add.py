@@ -3,12 +3,14 @@ every tap by every input time step made into the output, each step's taps that r
 next one added there, and the last step's carried into the next call (its tail). On our C loop
 (`overlap_add.c`) where it was built, else on numpy: the same sums in the same order, so the
 same bits. numpy's loops over the stride's phases in Python, and over the streams innermost:
-the decoder's four passes of it took 2.8 ms a stream-frame at four streams (6% of a decode, Zen
-3), the C loop 4-13x less on each shape."""
+4-13x the C loop's time on the decoder's shapes, and 1-2% of a decode (Zen 3, a decode
+alternated push by push between the two; docs/measurements.md, "2026-12-07, night")."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from functools import cache
 
 import numpy as np
 
@@ -19,7 +21,18 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 def built() -> bool:
     """Whether the C loop was built here."""
-    return native.library("overlap_add") is not None
+    return _function() is not None
+
+
+@cache
+def _function() -> Callable[..., None] | None:
+    """The C loop, where it was built."""
+    lib = native.library("overlap_add")
+    if lib is None:
+        return None
+    fn = lib.kz_overlap_add
+    fn.argtypes, fn.restype = [_P, _P, _P, _P, _I, _I, _I, _I, _I], None
+    return fn
 
 
 def overlap_add(z: np.ndarray, bias: np.ndarray, tail: np.ndarray, stride: int) -> np.ndarray:
@@ -33,12 +46,10 @@ def overlap_add(z: np.ndarray, bias: np.ndarray, tail: np.ndarray, stride: int) 
     assert z.flags.c_contiguous and bias.flags.c_contiguous and tail.flags.c_contiguous
     assert bias.size == c_out and tail.shape == (k - stride, c_out, streams)
     y = np.empty((c_out, n, stride, streams), np.float32)
-    lib = native.library("overlap_add")
-    if lib is None:
+    fn = _function()
+    if fn is None:
         _numpy(z, bias, tail, stride, y)
     else:
-        fn = lib.kz_overlap_add
-        fn.argtypes, fn.restype = [_P, _P, _P, _P, _I, _I, _I, _I, _I], None
         fn(*map(native.data, (z, bias, tail, y)), c_out, k, stride, n, streams)
     return y.reshape(c_out, n * stride * streams)
 
