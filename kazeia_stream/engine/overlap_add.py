@@ -44,7 +44,7 @@ def overlap_add(z: np.ndarray, bias: np.ndarray, tail: np.ndarray, stride: int) 
     c_out, k, n, streams = z.shape
     assert z.dtype == bias.dtype == tail.dtype == np.float32
     assert z.flags.c_contiguous and bias.flags.c_contiguous and tail.flags.c_contiguous
-    assert bias.size == c_out and tail.shape == (k - stride, c_out, streams)
+    assert bias.size == c_out and tail.shape == (k - stride, c_out, streams) and n > 0
     y = np.empty((c_out, n, stride, streams), np.float32)
     fn = _function()
     if fn is None:
