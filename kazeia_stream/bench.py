@@ -470,10 +470,8 @@ async def run_streams_bench(
             figures["aggregate_x_solo"] = _digits(
                 figures["aggregate_audio_s_per_s"] / solo["aggregate_audio_s_per_s"]
             )
-            if figures["steady_audio_s_per_s"] and solo["steady_audio_s_per_s"]:
-                figures["steady_x_solo"] = _digits(
-                    figures["steady_audio_s_per_s"] / solo["steady_audio_s_per_s"]
-                )
+            steady = (figures["steady_audio_s_per_s"], solo["steady_audio_s_per_s"])
+            figures["steady_x_solo"] = _digits(steady[0] / steady[1]) if all(steady) else 0.0
         results.append(figures)
     result = {**median(results), "streams": streams, "frames": frames}
     result["solo_ttfa_s"] = _percentile_s(

@@ -370,7 +370,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steady = (
             f"; {figures['steady_audio_s_per_s']:.3f}, {figures['steady_x_solo']:.2f}x,"
             " once all were heard and until one ended"
-            if "steady_x_solo" in figures
+            if figures.get("steady_x_solo")
             else ""
         )
         against_solo = (
