@@ -47,8 +47,9 @@ TYPES: dict[str, str] = {
     "f32": "everything F32 (lossless: the BF16 weights exactly)",
     "f16": "talker and code-predictor matrices (incl. embeddings and heads) F16; norms, biases, the "
     "code predictor's ffn_down, the speaker encoder and the codec decoder and encoder F32",
-    "q8_0": "talker and code-predictor matrices (incl. embeddings and heads) Q8_0; norms, biases, the "
-    "code predictor's ffn_down, the speaker encoder and the codec decoder and encoder F32",
+    "q8_0": "talker and code-predictor matrices (incl. embeddings and heads, and the code predictor's "
+    "ffn_down, which llama.cpp's converter keeps F32) Q8_0; norms, biases, the speaker encoder and the "
+    "codec decoder and encoder F32",
     "q4_k_m": "the talker quantized by llama.cpp's quantizer to its Q4_K_M recipe (Q4_K, Q6_K for "
     "attn_v, ffn_down and the codec head in part); the mmproj as q8_0 (code predictor Q8_0)",
     "q5_k_m": "the talker by llama.cpp's Q5_K_M recipe; the mmproj as q8_0",
