@@ -374,7 +374,8 @@ async def _together(
     runtime: Runtime, frames: int, streams: int, voice: VoiceArg, seed: int
 ) -> dict[str, Any]:
     """`streams` utterances started at once: their time to first audio, real-time factor and
-    the audio seconds made per wall second by all of them, and the engines' busy shares."""
+    the audio seconds made per wall second by all of them (over the round, and in its steady
+    part: `_steady_audio_s_per_s`), and the engines' busy shares."""
     metrics: list[UtteranceMetrics] = []
     busy = _busy_s(runtime)
 
@@ -458,7 +459,8 @@ async def run_streams_bench(
     the time to first audio of a stream alone and of streams that join `streams - 1` running
     ones (median and 95th percentile of all the joins of `repeat` rounds).
     With several streams, each round is followed by one stream alone on the same runtime, and
-    `aggregate_x_solo` is the median of the rounds' own ratios (see the module's docstring)."""
+    `aggregate_x_solo` and `steady_x_solo` are the medians of the rounds' own ratios (see the
+    module's docstring)."""
     voice = voice or runtime.model.default_voice
     await _together(runtime, 2, streams, voice, seed)
     results = []
