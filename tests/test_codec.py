@@ -219,9 +219,9 @@ def test_the_load_s_products_run_on_the_decoder_s_blas_threads(tiny_gguf, monkey
     seen = []
     kernel_weights = winograd.kernel_weights
 
-    def spy(w):
+    def spy(w, outputs):
         seen.append(_blas_threads())
-        return kernel_weights(w)
+        return kernel_weights(w, outputs)
 
     monkeypatch.setattr(winograd, "kernel_weights", spy)
     monkeypatch.setenv("KAZEIA_CACHE", "0")  # a load that makes its arrays
@@ -255,9 +255,10 @@ def test_products_hold_every_multiply_add_of_a_decode(decoder, reference, monkey
 
     convolve = winograd.convolve
 
-    def convolving(buf, cols, d, frame, products, bias, y):  # 10 products a chunk, in one call
-        for chunk in winograd.chunks(cols, d, frame):
-            counted.extend([products.c_out * products.c_in * chunk.tiles] * winograd.SIZE)
+    def convolving(buf, cols, d, frame, products, bias, y):  # m + 6 products a chunk, in one call
+        m = products.outputs
+        for chunk in winograd.chunks(cols, d, m, frame):
+            counted.extend([products.c_out * products.c_in * chunk.tiles] * winograd.size(m))
         convolve(buf, cols, d, frame, products, bias, y)
 
     monkeypatch.setattr(matrix.Matrix, "__call__", counting)
@@ -310,7 +311,7 @@ def test_weights_are_copied_only_into_a_layout_of_their_own(decoder, tiny_gguf):
     multiplies it in a layout of its own (or mapped from the weight cache, which saved that
     copy): on our kernel's panels (where it runs: Winograd's products, and those of few
     columns a frame), tap by tap (the convs of many columns a frame), the transposed convs,
-    and the residual units' dilated convs in Winograd's F(4, 7); else it is used in place, as
+    and the residual units' dilated convs in Winograd's F(m, 7); else it is used in place, as
     the file holds it."""
     mmproj = tiny_gguf("custom_voice")[1]
     in_file = lambda a: _mapped(a, mmproj)
@@ -330,7 +331,9 @@ def test_weights_are_copied_only_into_a_layout_of_their_own(decoder, tiny_gguf):
             assert unit.conv2.k == 1 and unit.conv2.method == "gathered"
             conv = unit.conv1
             if conv.method == "winograd":
-                assert len(conv.products) == winograd.SIZE and all(m.column_major for m in conv.products)
+                assert conv.outputs == winograd.fewest(conv.frame_columns, conv.dilation)
+                assert len(conv.products) == winograd.size(conv.outputs)
+                assert all(m.column_major for m in conv.products)
             else:
                 assert conv.method == "taps" and len(conv.products) == conv.k
                 assert most[id(conv.products[0])][1] > SPLIT_COLUMNS

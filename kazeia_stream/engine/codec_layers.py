@@ -152,9 +152,10 @@ class CausalConv:
     over X [C_in * k, n * S] gathered from the context buffer of S streams: row c * k + j is
     channel c shifted by j * d time steps (im2col). Once `split`, y = b + sum_j W_j X_j instead:
     one product per tap, on a copy of its weight, reading the shifted buffer in place (for many
-    columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tile`d, in Winograd's F(4,
-    7) (`winograd`): 10 products of a quarter of the columns each, between two transforms of
-    ours, its tiles planned frame by frame (`frame_columns` a stream's columns a frame)."""
+    columns, where gathering X costs more: `SPLIT_COLUMNS`). Once `tile`d, in Winograd's F(m,
+    7) (`winograd`, m `outputs`): m + 6 products of 1/m of the columns each, between two
+    transforms of ours, its tiles planned frame by frame (`frame_columns` a stream's columns a
+    frame)."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, dilation: int = 1) -> None:
         c_out, c_in, k = weight.shape
@@ -163,7 +164,7 @@ class CausalConv:
         self.bias = bias.astype(F32)[:, None]
         self.context, self.c_in = (k - 1) * dilation, c_in
         self.method = "gathered"  # "taps" once `split`, "winograd" once `tile`d
-        self.frame_columns = 0
+        self.frame_columns = self.outputs = 0
         self._winograd: winograd.Products | None = None  # the products as winograd.c takes them
 
     def split(self) -> None:
@@ -174,20 +175,22 @@ class CausalConv:
             self.method = "taps"
 
     def tile(self, frame_columns: int, cache: WeightCache = UNSAVED) -> None:
-        """Multiply in Winograd's F(4, 7) from now on, where it runs (7 taps, our kernel built):
-        5/14 of the multiply-adds, within float rounding of the direct products, on input of
-        `frame_columns` columns a frame. The transformed weights only matter packed (`cache`:
-        where it holds those, they are not computed)."""
+        """Multiply in Winograd's F(m, 7) from now on, where it runs (7 taps, our kernel built),
+        m the tiling with the fewest multiply-adds for `frame_columns` columns a frame
+        (`winograd.fewest`): 2/7 of the direct products' in F(6, 7), 5/14 in F(4, 7), within
+        float rounding of them. The transformed weights only matter packed (`cache`: where it
+        holds those, they are not computed)."""
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
         self.frame_columns = frame_columns
+        self.outputs = m = winograd.fewest(frame_columns, self.dilation)
         weight = self.products[0].array
-        shape = (winograd.SIZE, weight.shape[0], self.c_in)
-        make = lambda: winograd.kernel_weights(float32(weight).reshape(-1, self.c_in, self.k))
+        shape = (winograd.size(m), weight.shape[0], self.c_in)
+        make = lambda: winograd.kernel_weights(float32(weight).reshape(-1, self.c_in, self.k), m)
         u = cache.interim(shape, np.dtype(F32), make)
         self.products = [Matrix(u_k, column_major=True) for u_k in u]
         self.method = "winograd"
-        winograd.float32_matrices()  # the transforms' matrices made now, not in the first frame
+        winograd.float32_matrices(m)  # the transforms' matrices made now, not in the first frame
 
     def _tiled(self) -> winograd.Products:
         """The products of `tile` as our kernels take them, once the load has placed the
@@ -203,7 +206,7 @@ class CausalConv:
         if self.method != "winograd":
             yield from ((m, n) for m in self.products)
             return
-        for chunk in winograd.chunks(n, self.dilation, self.frame_columns):
+        for chunk in winograd.chunks(n, self.dilation, self.outputs, self.frame_columns):
             yield from ((m, chunk.tiles) for m in self.products)
 
     def new_state(self) -> ContextBuffer:
