@@ -253,7 +253,7 @@ class CodecDecoder:
         columns_of = self.matrices()
         dilated = [unit.conv1 for block in self.blocks for unit in block.units]
         for conv in self._convs():
-            if conv in dilated:  # most of the multiply-adds: in Winograd's F(4, 7) where it runs
+            if conv in dilated:  # most of the multiply-adds: in Winograd's F(m, 7) where it runs
                 conv.tile(columns_of[id(conv.products[0])][1], cache)
             if conv.method == "gathered" and columns_of[id(conv.products[0])][1] > SPLIT_COLUMNS:
                 conv.split()
