@@ -69,8 +69,9 @@ AVX2 static void transpose8(const float *src, int64_t ld, int64_t n_in, float *d
 }
 
 /* The input transform of F(out, 7), P = out + 6: x [rows, ld] (a context buffer's rows,
-   `width` columns read), v [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes `plane` floats apart). Each
-   group of 8 rows is first turned into columns of 8, in `cols` (8 * width floats). */
+   `width` columns read), v [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes
+   `plane` floats apart). Each group of 8 rows is first turned into columns of 8, in `cols` (8
+   * width floats). */
 AVX2 static ALWAYS void transform_in(const int out, const float *x, int64_t rows, int64_t ld, int64_t width,
                                      int64_t d, const struct run *runs, int64_t n_runs, const float *bt, float *v,
                                      int64_t ldv, int64_t plane, float *cols) {
@@ -114,11 +115,11 @@ AVX2 static ALWAYS void transform_in(const int out, const float *x, int64_t rows
     }
 }
 
-/* The output transform of F(out, 7), P = out + 6: m [P][tiles][ldm] (the products, ldm a multiple of 8, at least rows;
-   planes `plane` floats apart), y [rows, ld] the layer's output, written at the chunk's
-   outputs only (columns from y on; `width` the columns its inputs span). `cols`: 8 * (width +
-   8) floats for the outputs' columns of 8, then width + 8 int32, -1 at the columns the chunk
-   writes. */
+/* The output transform of F(out, 7), P = out + 6: m [P][tiles][ldm] (the products, ldm a
+   multiple of 8, at least rows; planes `plane` floats apart), y [rows, ld] the layer's output,
+   written at the chunk's outputs only (columns from y on; `width` the columns its inputs
+   span). `cols`: 8 * (width + 8) floats for the outputs' columns of 8, then width + 8 int32,
+   -1 at the columns the chunk writes. */
 AVX2 static ALWAYS void transform_out(const int out, const float *m, int64_t rows, int64_t ldm, int64_t plane,
                                       int64_t d, const struct run *runs, int64_t n_runs, const float *at,
                                       const float *bias, float *y, int64_t ld, int64_t width, float *cols) {
