@@ -164,7 +164,7 @@ class CausalConv:
         self.bias = bias.astype(F32)[:, None]
         self.context, self.c_in = (k - 1) * dilation, c_in
         self.method = "gathered"  # "taps" once `split`, "winograd" once `tile`d
-        self.frame_columns = self.outputs = 0
+        self.frame_columns = 0
         self._winograd: winograd.Products | None = None  # the products as winograd.c takes them
 
     def split(self) -> None:
@@ -183,7 +183,7 @@ class CausalConv:
         if self.k != winograd.TAPS or not winograd.available() or self.method != "gathered":
             return
         self.frame_columns = frame_columns
-        self.outputs = m = winograd.fewest(frame_columns, self.dilation)
+        m = winograd.fewest(frame_columns, self.dilation)
         weight = self.products[0].array
         shape = (winograd.size(m), weight.shape[0], self.c_in)
         make = lambda: winograd.kernel_weights(float32(weight).reshape(-1, self.c_in, self.k), m)
@@ -191,6 +191,11 @@ class CausalConv:
         self.products = [Matrix(u_k, column_major=True) for u_k in u]
         self.method = "winograd"
         winograd.float32_matrices(m)  # the transforms' matrices made now, not in the first frame
+
+    @property
+    def outputs(self) -> int:
+        """The tile's outputs m once `tile`d (its m + 6 products), else 0."""
+        return len(self.products) - winograd.TAPS + 1 if self.method == "winograd" else 0
 
     def _tiled(self) -> winograd.Products:
         """The products of `tile` as our kernels take them, once the load has placed the

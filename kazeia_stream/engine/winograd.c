@@ -20,11 +20,9 @@
    Each transform is written once for any m and made for m = 4 and m = 6, the tile's inputs
    and outputs in registers. One variant, AVX2 with FMA. */
 
-#include <immintrin.h>
-#include <stdint.h>
+#include "ggml_op.h" /* INLINE */
 
 #define AVX2 __attribute__((target("avx2,fma")))
-#define ALWAYS __attribute__((always_inline)) inline
 #define MAX_OUT 6           /* a whole tile's outputs, at most */
 #define MAX_P (MAX_OUT + 6) /* its inputs, and its products */
 
@@ -72,9 +70,9 @@ AVX2 static void transpose8(const float *src, int64_t ld, int64_t n_in, float *d
    `width` columns read), v [P][tiles][ldv] (ldv a multiple of 8, at least rows; planes
    `plane` floats apart). Each group of 8 rows is first turned into columns of 8, in `cols` (8
    * width floats). */
-AVX2 static ALWAYS void transform_in(const int out, const float *x, int64_t rows, int64_t ld, int64_t width,
-                                     int64_t d, const struct run *runs, int64_t n_runs, const float *bt, float *v,
-                                     int64_t ldv, int64_t plane, float *cols) {
+AVX2 INLINE void transform_in(const int out, const float *x, int64_t rows, int64_t ld, int64_t width, int64_t d,
+                              const struct run *runs, int64_t n_runs, const float *bt, float *v, int64_t ldv,
+                              int64_t plane, float *cols) {
     const int P = out + 6;
     const __m256i all = _mm256_set1_epi32(-1);
     __m256 e[MAX_P][MAX_P]; /* B^T's entries, broadcast */
@@ -120,9 +118,9 @@ AVX2 static ALWAYS void transform_in(const int out, const float *x, int64_t rows
    written at the chunk's outputs only (columns from y on; `width` the columns its inputs
    span). `cols`: 8 * (width + 8) floats for the outputs' columns of 8, then width + 8 int32,
    -1 at the columns the chunk writes. */
-AVX2 static ALWAYS void transform_out(const int out, const float *m, int64_t rows, int64_t ldm, int64_t plane,
-                                      int64_t d, const struct run *runs, int64_t n_runs, const float *at,
-                                      const float *bias, float *y, int64_t ld, int64_t width, float *cols) {
+AVX2 INLINE void transform_out(const int out, const float *m, int64_t rows, int64_t ldm, int64_t plane, int64_t d,
+                               const struct run *runs, int64_t n_runs, const float *at, const float *bias, float *y,
+                               int64_t ld, int64_t width, float *cols) {
     const int P = out + 6;
     int32_t *written = (int32_t *)(cols + 8 * (width + 8));
     int64_t end = 0; /* the columns up to the chunk's last output */
@@ -190,11 +188,10 @@ struct chunk {
 
 /* A chunk's input transform, its m + 6 products (shared with `team`'s helpers, parts - 1 of
    them, where team is not NULL), and its output transform, for m = `out`. */
-AVX2 static ALWAYS void chunk(const int out, const float *x, int64_t ld, int64_t d, const struct chunk *c,
-                              const struct run *runs, const struct products *p, void *team, int64_t parts,
-                              const float *bt, const float *at, const float *bias, float *y, int64_t ld_y,
-                              float *v, int64_t ldv, int64_t plane_v, float *m, int64_t ldm, int64_t plane_m,
-                              float *cols) {
+AVX2 INLINE void chunk(const int out, const float *x, int64_t ld, int64_t d, const struct chunk *c,
+                       const struct run *runs, const struct products *p, void *team, int64_t parts, const float *bt,
+                       const float *at, const float *bias, float *y, int64_t ld_y, float *v, int64_t ldv,
+                       int64_t plane_v, float *m, int64_t ldm, int64_t plane_m, float *cols) {
     const struct run *own = runs + c->first;
     transform_in(out, x + c->start, p->c_in, ld, c->width, d, own, c->count, bt, v, ldv, plane_v, cols);
     for (int k = 0; k < out + 6; k++)
