@@ -32,14 +32,13 @@ def test_the_tool_prints_the_bound_of_the_engines_rates(tiny_gguf):
     assert len(lines) == 3 and lines[-1].startswith("medians: ") and lines[-1].endswith(" 2 streams)")
     model = kazeia_stream.load_model(str(talker))
     audio_s = 2 * model.config.codec.samples_per_frame / model.sample_rate
+    no_core_beside = kazeia_stream.Threads.default().cores < 2  # beside the decoder's one
     for line in lines:
         match = ROUND.search(line)
         assert match, line
         beside, (g_all, d, w), bound = float(match[1]), map(int, match.groups()[1:4]), float(match[5])
         assert beside > 0 and g_all > 0 and d > 0
-        assert math.isinf(beside) == (
-            kazeia_stream.Threads.default().cores < 2
-        )  # no core beside the decoder's
+        assert math.isinf(beside) == no_core_beside
         # the audio over W, which is printed rounded to the ms
         assert audio_s / (w + 0.5) * 1e3 - 1e-3 <= bound <= audio_s / (w - 0.5) * 1e3 + 1e-3
     for line in lines[:-1]:  # a round's W from its times (the medians' are each a column's)

@@ -4,14 +4,14 @@ what `kazeia-stream bench --streams N` measures through the schedule, against wh
 schedule could reach.
 
 A round is one generator pass over the N streams (a talker step and the code predictor's
-passes, on 4 rows at N = 4) and the decoder's passes over the same N stream-frames. The decoder
-runs on its own threads (D seconds a round); the generator takes the other cores while it runs
+passes, on N rows) and the decoder's passes over the same N stream-frames. The decoder runs on
+its own threads (D seconds a round); the generator takes the other cores while it runs
 (G_beside a round) and every core while it waits (G_all). With no core ever idle, a round takes
 at least W = G_all + D (1 - G_all / G_beside): while the decoder works, the generator does
 D / G_beside of a round, and the rest on every core (with no core beside the decoder's,
-G_beside is infinite: W = G_all + D). Each engine is timed alone, in turn, on
-random inputs (the decoder pushes `MAX_PUSH` frames a stream, as it does once behind); the
-engines slow each other where they share the memory, so the bound is an upper one.
+G_beside is infinite: W = G_all + D). Each engine is timed alone, in turn, on random inputs
+(the decoder pushes `MAX_PUSH` frames a stream, as it does once behind); the engines slow each
+other where they share the memory, so the bound is an upper one, to the host's noise.
 
     python tools/streams_bound.py --model M [--streams 4] [--repeat 5]
 
