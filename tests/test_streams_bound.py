@@ -33,15 +33,15 @@ def test_the_tool_prints_the_bound_of_the_engines_rates(tiny_gguf):
     model = kazeia_stream.load_model(str(talker))
     audio_s = 2 * model.config.codec.samples_per_frame / model.sample_rate
     no_core_beside = kazeia_stream.Threads.default().cores < 2  # beside the decoder's one
-    for line in lines:
-        match = ROUND.search(line)
-        assert match, line
-        beside, (g_all, d, w), bound = float(match[1]), map(int, match.groups()[1:4]), float(match[5])
+    matches = [ROUND.search(line) for line in lines]
+    figures = [tuple(float(v) for v in match.groups()) for match in matches if match]
+    assert len(figures) == len(lines), lines
+    for beside, g_all, d, w, bound in figures:
         assert beside > 0 and g_all > 0 and d > 0
         assert math.isinf(beside) == no_core_beside
         # the audio over W, which is printed rounded to the ms
         assert audio_s / (w + 0.5) * 1e3 - 1e-3 <= bound <= audio_s / (w - 0.5) * 1e3 + 1e-3
-    for line in lines[:-1]:  # a round's W from its times (the medians' are each a column's)
-        beside, g_all, d, w = (float(v) for v in ROUND.search(line).groups()[:4])
+    # a round's W from its times (the medians' are each a column's)
+    for beside, g_all, d, w, _ in figures[:-1]:
         rounding = 0.5 * (1 + abs(1 - d / beside) + abs(1 - g_all / beside) + d * g_all / beside**2)
         assert w == pytest.approx(g_all + d * (1 - g_all / beside), abs=rounding + 1e-9)

@@ -99,7 +99,7 @@ def _tiled(
     """The convolution as the decoder runs it in F(m, 7): our kernels' transforms and products,
     in one call."""
     packed = [f32_product.pack(u_k) for u_k in winograd.kernel_weights(w, m)]
-    products = winograd.Products.of(packed, w.shape[:2], f32_product.chosen())
+    products = winograd.Products.of(packed, w.shape[:2], f32_product.chosen(), m)
     y = np.full((len(w), cols), np.nan, np.float32)
     winograd.convolve(buf, cols, d, frame, products, bias, y)
     return y

@@ -203,7 +203,7 @@ class CausalConv:
         if self._winograd is None:
             first, weights = self.products[0], [m.array for m in self.products]
             assert first.variant is not None and first.panels, "Winograd's products run on our kernel"
-            self._winograd = winograd.Products.of(weights, first.shape, first.variant)
+            self._winograd = winograd.Products.of(weights, first.shape, first.variant, self.outputs)
         return self._winograd
 
     def calls(self, n: int) -> Iterator[tuple[Matrix, int]]:

@@ -222,11 +222,13 @@ class Products(ctypes.Structure):
     ]
 
     @classmethod
-    def of(cls, weights: Sequence[np.ndarray], shape: tuple[int, int], variant: str) -> Products:
-        """The products of `weights` (`f32_product.pack`'s panels of U_k, of `shape`; as many
-        as F(m, 7) has for an m of `OUTPUTS`) on the kernel's `variant`."""
-        outputs = len(weights) - TAPS + 1
-        assert outputs in OUTPUTS and all(w.ndim == 3 and w.dtype == F32 for w in weights)
+    def of(
+        cls, weights: Sequence[np.ndarray], shape: tuple[int, int], variant: str, outputs: int
+    ) -> Products:
+        """The products of `weights` in F(`outputs`, 7) (`f32_product.pack`'s panels of its
+        U_k, of `shape`) on the kernel's `variant`."""
+        assert outputs in OUTPUTS and len(weights) == size(outputs)
+        assert all(w.ndim == 3 and w.dtype == F32 for w in weights)
         return cls(
             shared=f32_product.shared_address(),
             panels=native.address("f32_product", variant, "panels"),
