@@ -91,16 +91,19 @@ def main() -> None:
         g_all, d = timed(every), timed(decode) / MAX_PUSH
         w = g_all + d * (1 - g_all / g_beside)
         rounds.append((g_beside, g_all, d, w))
-        print(
-            f"G_beside {g_beside * 1e3:.0f}, G_all {g_all * 1e3:.0f}, D {d * 1e3:.0f}, W {w * 1e3:.0f} ms "
-            f"a round of {n} stream-frames: at most {audio_s / w:.3f} audio s per s",
-            flush=True,
-        )
-    g_beside, g_all, d, w = (statistics.median(column) for column in zip(*rounds))
-    print(
-        f"medians: G_beside {g_beside * 1e3:.0f}, G_all {g_all * 1e3:.0f}, D {d * 1e3:.0f}, "
-        f"W {w * 1e3:.0f} ms: at most {audio_s / w:.3f} audio s per s ({cores} cores, {n} streams)"
-    )
+        print(f"{times_ms(*rounds[-1])} a round of {n} stream-frames: {bound(audio_s, w)}", flush=True)
+    medians = [statistics.median(column) for column in zip(*rounds)]
+    print(f"medians: {times_ms(*medians)}: {bound(audio_s, medians[-1])} ({cores} cores, {n} streams)")
+
+
+def times_ms(g_beside: float, g_all: float, d: float, w: float) -> str:
+    """A round's times (seconds) as the lines print them."""
+    return f"G_beside {g_beside * 1e3:.0f}, G_all {g_all * 1e3:.0f}, D {d * 1e3:.0f}, W {w * 1e3:.0f} ms"
+
+
+def bound(audio_s: float, w: float) -> str:
+    """The audio a round of W seconds allows."""
+    return f"at most {audio_s / w:.3f} audio s per s"
 
 
 if __name__ == "__main__":
