@@ -6,12 +6,14 @@ schedule could reach.
 A round is one generator pass over the N streams (a talker step and the code predictor's
 passes, on N rows) and the decoder's passes over the same N stream-frames. The decoder runs on
 its own threads (D seconds a round); the generator takes the other cores while it runs
-(G_beside a round) and every core while it waits (G_all). With no core ever idle, a round takes
-at least W = G_all + D (1 - G_all / G_beside): while the decoder works, the generator does
-D / G_beside of a round, and the rest on every core (with no core beside the decoder's,
-G_beside is infinite: W = G_all + D). Each engine is timed alone, in turn, on random inputs
-(the decoder pushes `MAX_PUSH` frames a stream, as it does once behind); the engines slow each
-other where they share the memory, so the bound is an upper one, to the host's noise.
+(G_beside a round) and every core while it waits (G_all; or only the others, where they run it
+faster, as two threads can be slower than one on a tiny model, and W would then come out
+negative). With no core ever idle, a round takes at least W = G_all + D (1 - G_all /
+G_beside): while the decoder works, the generator does D / G_beside of a round, and the rest
+on every core (with no core beside the decoder's, G_beside is infinite: W = G_all + D). Each
+engine is timed alone, in turn, on random inputs (the decoder pushes `MAX_PUSH` frames a
+stream, as it does once behind); the engines slow each other where they share the memory, so
+the bound is an upper one, to the host's noise.
 
     python tools/streams_bound.py --model M [--streams 4] [--repeat 5]
 
@@ -88,7 +90,7 @@ def main() -> None:
     rounds = []
     for _ in range(args.repeat):
         g_beside = timed(beside) if beside is not None else math.inf
-        g_all, d = timed(every), timed(decode) / MAX_PUSH
+        g_all, d = min(timed(every), g_beside), timed(decode) / MAX_PUSH
         w = g_all + d * (1 - g_all / g_beside)
         rounds.append((g_beside, g_all, d, w))
         print(f"{times_ms(*rounds[-1])} a round of {n} stream-frames: {bound(audio_s, w)}", flush=True)
