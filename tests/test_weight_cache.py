@@ -69,9 +69,7 @@ def test_a_later_load_maps_the_saved_arrays_before_the_first_frame(mmproj, tmp_p
     CodecDecoder(GGUFFile(mmproj), 1)
     winograd.float32_matrices.cache_clear()
     later = CodecDecoder(GGUFFile(mmproj), 1)
-    # each weight once: `products` yields a tiled convolution's once per chunk of tiles
-    panels = {id(m): m for m, _ in later.products() if m.panels}
-    saved = sum(m.array.nbytes for m in panels.values())
+    saved = sum(m.array.nbytes for m, _ in later.matrices().values() if m.panels)  # each weight once
     ((size, rss),) = resident(_saved(tmp_path)[0])
     # smaps counts a large folio at the file's end a page beyond the mapping, or a page short
     # of it (seen both ways in clean-clone CI); without the mapping populated, most are missing
